@@ -1,0 +1,123 @@
+"""`conveyor generate | serve`: command-line flags -> EngineConfig; the only place that configures logging."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from conveyor.config import DTYPES, CacheConfig, SchedulerConfig
+from conveyor.errors import ConveyorError
+
+logger = logging.getLogger("conveyor.cli")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", choices=DTYPES, default="float32", help="working dtype of weights and KV cache")
+    group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                       help="most requests in one batch")
+    group.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                       help="most tokens computed in one step (prompt chunks fill what decodes leave)")
+    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
+                       help="memory for the KV cache, e.g. 2GiB")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
+    group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="recompute shared prompt prefixes instead of reusing their KV blocks")
+    group.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: WARNING for generate)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {
+        "model": args.model, "dtype": args.dtype, "threads": args.threads, "device": args.device,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="An LLM serving engine built around continuous batching")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer one prompt, streaming the text to the terminal")
+    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    _add_engine_flags(gen)
+    return parser
+
+
+def _configure_logging(level: str | None, default: str) -> None:
+    logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def generate(args: argparse.Namespace) -> int:
+    from conveyor.engine.engine import LLMEngine
+    from conveyor.config import EngineConfig
+    from conveyor.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    if args.raw:
+        prompt: str | list[int] = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    request_id = engine.add_request(prompt, params)
+    finished = None
+    while finished is None:
+        for output in engine.step():
+            if output.request_id != request_id:
+                continue
+            sys.stdout.write(output.new_text)
+            sys.stdout.flush()
+            if output.finished:
+                finished = output
+    sys.stdout.write("\n")
+    if finished.error:
+        print(f"error: {finished.error}", file=sys.stderr)
+        return 1
+    metrics = finished.metrics
+    if metrics is not None and metrics.first_token_s is not None and metrics.finished_s is not None:
+        decode_s = metrics.finished_s - metrics.first_token_s
+        rate = (metrics.num_output_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        logger.info("%d prompt tokens, %d output tokens, TTFT %.3f s, decode %.1f tokens/s, finish %s",
+                    metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.ttft_s, rate,
+                    finished.finish_reason)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level, "WARNING")
+    try:
+        if args.command == "generate":
+            return generate(args)
+    except (ConveyorError, ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

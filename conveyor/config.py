@@ -1,0 +1,116 @@
+"""Typed, frozen configuration: Model / Cache / Scheduler -> EngineConfig, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: str | int, name: str) -> int:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{name} must be a size like '2GiB' or '512MB', got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None          # path to a GGUF file or a Hugging Face folder; None = bundled
+    dtype: str = "float32"
+    threads: int | None = None        # torch intra-op threads; None leaves torch's default
+    device: str = "cpu"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _positive("threads", self.threads, allow_none=True)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: str | int = "2GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None        # None = the model's own context length
+    max_waiting_requests: int | None = None  # None = unbounded
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.max_waiting_requests is not None and (
+            not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0
+        ):
+            raise ValueError(
+                f"max_waiting_requests must be a non-negative integer, got {self.max_waiting_requests!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Flat keyword options (as `LLM(**options)` or CLI flags give them) -> nested config.
+
+        Unknown names raise TypeError, so a typo never silently does nothing.
+        """
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            f.name: part
+            for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                                ("scheduler", SchedulerConfig))
+            for f in dataclasses.fields(klass)
+        }
+        for name, value in options.items():
+            if name not in owners:
+                raise TypeError(f"unknown engine option {name!r}; known: {', '.join(sorted(owners))}")
+            parts[owners[name]][name] = value
+        return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
+                   SchedulerConfig(**parts["scheduler"]))

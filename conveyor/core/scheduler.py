@@ -1,0 +1,230 @@
+"""Scheduler: every step, decide which requests compute which tokens, under the step's budgets.
+
+Pure Python (no torch, no threads, no clock of its own). Each step every request's
+`num_computed_tokens` catches up towards `num_tokens`: a decode is a one-token catch-up, a prompt
+chunk a longer one, a resumed (preempted) request a recompute of everything it had. One code path
+covers chunked prefill, decode and resume.
+
+    running (priority order)         waiting (priority order)
+    [r0 r1 ... rk]  --decode/chunk-->  step  <--admit while budgets and blocks allow-- [w0 w1 ...]
+         ^  preempt the last running when blocks run out: it returns to waiting, tokens kept
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
+from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []     # sorted by sort_key
+        self.running: list[Request] = []     # sorted by sort_key
+        self._finished_ids: list[str] = []   # since the last plan
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ requests in and out
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Raise if a request could never run; return its resolved max_tokens."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+            if max_tokens < 1:
+                raise ContextLengthExceeded(
+                    f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
+                    f"length is {self.max_model_len} tokens", param="prompt")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{num_prompt_tokens} prompt tokens plus max_tokens {max_tokens} = {total}",
+                param="max_tokens")
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            capacity = self.blocks.num_blocks * self.blocks.block_size
+            raise ContextLengthExceeded(
+                f"the request needs {total} tokens of KV cache ({num_prompt_tokens} prompt + {max_tokens} "
+                f"max_tokens) but the whole cache holds {capacity}", param="max_tokens")
+        return max_tokens
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ContextLengthExceeded if it can never fit, QueueFull past the limit."""
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        request.max_tokens = self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request in any state and free its blocks now. False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a request from outside (a stop string found by the detokenizer, a failed step)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.stop_reason = stop_reason
+            self._finish(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[str] = []
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            while not self.blocks.can_allocate(request, target):
+                victim = self.running[-1]  # lowest priority, newest: never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self.blocks.allocate(request, target)
+            rows.append(self._row(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+            i += 1
+
+        # New requests join only when no running request had to give up its blocks this step.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached_ids = self.blocks.find_cached_blocks(request) if request.num_computed_tokens == 0 else []
+            num_cached = len(cached_ids) * self.blocks.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
+                break
+            self.waiting.pop(0)
+            self.blocks.allocate(request, num_cached + num_new, cached_ids)
+            self.blocks.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = self.clock()
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            rows.append(self._row(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
+
+    def update(self, plan: StepPlan, sampled: Iterable[int]) -> StepResult:
+        """Advance the scheduled requests; `sampled` holds one token per sampling row, in plan order."""
+        tokens = iter(sampled)
+        result = StepResult()
+        now = self.clock()
+        for row in plan.rows:
+            token = next(tokens) if row.is_sampling else None
+            request = self.requests.get(row.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = row.start_position + row.num_tokens
+            self.blocks.cache_full_blocks(request)
+            if token is None:
+                continue
+            request.append_token(token)
+            if request.first_token_s is None:
+                request.first_token_s = now
+            request.last_token_s = now
+            update = RequestUpdate(row.request_id, [token])
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                update.finish_reason, update.stop_reason = reason, stop_reason
+                request.stop_reason = stop_reason
+                self._finish(request, reason)
+            result.updates.append(update)
+        return result
+
+    # ------------------------------------------------------------ internals
+
+    def _row(self, request: Request, num_new: int) -> ScheduledRow:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledRow(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            block_table=list(request.block_table),
+            is_sampling=end == request.num_tokens,
+            # Decoding = feeding the one newest sampled token; a resumed request's recompute is prefill.
+            is_prefill=not (start == request.num_tokens - 1 and start >= request.num_prompt_tokens),
+        )
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = request.params
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.blocks.free(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self.blocks.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_s = self.clock()
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

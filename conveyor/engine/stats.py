@@ -1,0 +1,73 @@
+"""Step and request statistics, as plain data for the metrics layer and the benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_rows: int                 # sequences in the step's batch
+    step_time_s: float
+    num_running: int              # after the step
+    num_waiting: int
+    num_kv_blocks_used: int
+    kv_usage: float               # fraction of KV blocks in use
+    num_preemptions: int          # in this step
+    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache this step
+    num_prefix_hit_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        """A step that decodes anything counts as decode, even if it also prefills."""
+        return self.num_decode_tokens > 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Running totals over steps; throughput per phase comes from the time of that phase's steps."""
+
+    num_steps: int = 0
+    num_rows: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefill_only_tokens: int = 0
+    prefill_only_time_s: float = 0.0
+    decode_step_tokens: int = 0       # decode tokens of steps that decode
+    decode_time_s: float = 0.0
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    def record(self, step: StepStats) -> None:
+        self.num_steps += 1
+        self.num_rows += step.num_rows
+        self.num_prefill_tokens += step.num_prefill_tokens
+        self.num_decode_tokens += step.num_decode_tokens
+        self.num_preemptions += step.num_preemptions
+        self.num_prefix_query_tokens += step.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += step.num_prefix_hit_tokens
+        if step.is_decode:
+            self.decode_step_tokens += step.num_decode_tokens
+            self.decode_time_s += step.step_time_s
+        else:
+            self.prefill_only_tokens += step.num_prefill_tokens
+            self.prefill_only_time_s += step.step_time_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_step_tokens / self.decode_time_s if self.decode_time_s else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_only_tokens / self.prefill_only_time_s if self.prefill_only_time_s else 0.0
+
+    @property
+    def avg_rows_per_step(self) -> float:
+        return self.num_rows / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0

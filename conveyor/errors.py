@@ -1,0 +1,50 @@
+"""The ConveyorError family: each class carries its HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+
+class ConveyorError(Exception):
+    """Base class; `status` and `error_type` shape the OpenAI-style error body."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(ConveyorError, ValueError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(ConveyorError):
+    status = 404
+    error_type = "not_found_error"
+    code = "model_not_found"
+
+
+class PromptTooLarge(ConveyorError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class QueueFull(ConveyorError):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+
+class ModelLoadError(ConveyorError):
+    """A checkpoint that is missing, corrupt or of an unsupported architecture."""
+
+    error_type = "model_load_error"

@@ -1,0 +1,136 @@
+"""Offline API in the shape vLLM users know: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import LLMEngine, RequestMetrics, RequestOutput
+from conveyor.runtime.sampler import TokenLogprobs
+from conveyor.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    prompt: Prompt
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLM:
+    """Runs many prompts through one continuous batch; outputs come back in input order."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        pending: dict[str, _Pending] = {}
+        order: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = self.engine.add_request(prompt, params)
+                pending[request_id] = _Pending(prompt)
+                order.append(request_id)
+            results = self._run(pending, use_tqdm)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        return [results[request_id] for request_id in order]
+
+    def chat(self, conversations: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True) -> list[CompletionOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts: list[Prompt] = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True),
+                                  add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, pending: dict[str, _Pending], use_tqdm: bool | Callable[..., Any]) -> dict[str, CompletionOutput]:
+        results: dict[str, CompletionOutput] = {}
+        progress = _progress_bar(len(pending), use_tqdm)
+        try:
+            while len(results) < len(pending):
+                for output in self.engine.step():
+                    self._collect(pending, results, output)
+                    if output.finished and progress is not None:
+                        progress.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(pending):
+                    raise RuntimeError("engine went idle with requests unfinished")
+        finally:
+            if progress is not None:
+                progress.close()
+        return results
+
+    def _collect(self, pending: dict[str, _Pending], results: dict[str, CompletionOutput],
+                 output: RequestOutput) -> None:
+        state = pending.get(output.request_id)
+        if state is None:
+            return
+        state.token_ids.extend(output.new_token_ids)
+        state.text.append(output.new_text)
+        state.logprobs.extend(output.new_logprobs)
+        if output.finished:
+            metrics = output.metrics
+            results[output.request_id] = CompletionOutput(
+                prompt=state.prompt,
+                prompt_token_ids=output.prompt_token_ids or [],
+                text="".join(state.text),
+                token_ids=state.token_ids,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+                logprobs=state.logprobs or None,
+                metrics=metrics,
+                error=output.error,
+            )
+
+
+def _progress_bar(total: int, use_tqdm: bool | Callable[..., Any]) -> Any:
+    """A progress bar only on a terminal; off when use_tqdm is False."""
+    import sys
+
+    if use_tqdm is False or total < 2 or not sys.stderr.isatty():
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generating", unit="req")
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

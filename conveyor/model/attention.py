@@ -1,0 +1,127 @@
+"""Packed variable-length attention over a paged KV cache.
+
+A step's tokens arrive packed, (T, H, D), from many rows (requests); each row has its own
+context held in fixed-size KV blocks listed by its block table. Rows are attended in a few
+*groups* (decode rows with one query each, prefill chunks with many), each group as one batched
+op: its queries padded to (B, Lq), its keys gathered block-wise to (B, NB * block_size), and a
+boolean mask that encodes both the padding and causality. A step thus costs one batched
+attention call per group and layer, never a Python loop per row or token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    query_index: torch.Tensor     # (B, Lq) long: packed token index of each padded query slot
+    block_tables: torch.Tensor    # (B, NB) long: padded with block 0, which the mask hides
+    mask: torch.Tensor            # (B, 1, Lq, NB * block_size) bool: True = may attend
+    window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
+    out_rows: torch.Tensor        # (n,) long: flat positions in B * Lq that hold real queries
+    out_tokens: torch.Tensor      # (n,) long: packed token index of each of those queries
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor    # (T,) long: cache slot (block_id * block_size + offset) per token
+    groups: list[AttentionGroup]
+
+
+@dataclass(slots=True)
+class RowSpec:
+    """One row of a step: `num_query` new tokens ending a context of `context_len` tokens."""
+
+    token_start: int              # index of the row's first token in the packed batch
+    num_query: int
+    context_len: int              # tokens in the cache after this step's writes
+    block_table: list[int]
+
+
+def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None,
+                device: torch.device) -> AttentionGroup:
+    """Pad a set of rows into one attention group (vectorised mask construction)."""
+    num_rows = len(rows)
+    max_query = max(r.num_query for r in rows)
+    max_blocks = max(len(r.block_table) for r in rows)
+    num_keys = max_blocks * block_size
+
+    starts = torch.tensor([r.token_start for r in rows], dtype=torch.long)
+    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
+    context_len = torch.tensor([r.context_len for r in rows], dtype=torch.long)
+    tables = torch.zeros(num_rows, max_blocks, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.long)
+
+    offsets = torch.arange(max_query)                                 # (Lq,)
+    is_real = offsets[None, :] < num_query[:, None]                   # (B, Lq)
+    query_index = torch.where(is_real, starts[:, None] + offsets[None, :], 0)
+    # Position of each query in its sequence; a key at position j is visible iff j <= that.
+    query_pos = (context_len - num_query)[:, None] + offsets[None, :]  # (B, Lq)
+    key_pos = torch.arange(num_keys)                                   # (Lk,)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]            # (B, Lq, Lk)
+    window_mask = None
+    if sliding_window is not None:
+        window_mask = mask & (key_pos[None, None, :] > query_pos[:, :, None] - sliding_window)
+        window_mask = window_mask[:, None].to(device)
+    out_rows = is_real.reshape(-1).nonzero().squeeze(1)
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        block_tables=tables.to(device),
+        mask=mask[:, None].to(device),
+        window_mask=window_mask,
+        out_rows=out_rows.to(device),
+        out_tokens=query_index.reshape(-1)[out_rows].to(device),
+    )
+
+
+def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | None,
+                   device: torch.device) -> AttentionMetadata:
+    """Slot mapping for the rows' new tokens, and the rows split into decode and prefill groups.
+
+    Decode rows (one query each) and prefill chunks are padded separately, so a long chunk never
+    pads hundreds of decode rows to its length.
+    """
+    slots: list[int] = []
+    for r in rows:
+        first = r.context_len - r.num_query
+        slots.extend(r.block_table[p // block_size] * block_size + p % block_size
+                     for p in range(first, r.context_len))
+    decode = [r for r in rows if r.num_query == 1]
+    prefill = [r for r in rows if r.num_query > 1]
+    groups = [build_group(g, block_size, sliding_window, device) for g in (decode, prefill) if g]
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, use_window: bool) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query to its row's context.
+
+    q: (T, H, D); k, v: (T, KV, D); k_cache, v_cache: (num_blocks, block_size, KV, D).
+    Returns (T, H, D).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in meta.groups:
+        rows, max_query = group.query_index.shape
+        num_keys = group.block_tables.shape[1] * block_size
+        qg = q[group.query_index].transpose(1, 2)                                 # (B, H, Lq, D)
+        kg = k_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
+        vg = v_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
+        mask = group.window_mask if use_window and group.window_mask is not None else group.mask
+        og = F.scaled_dot_product_attention(
+            qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )                                                                          # (B, H, Lq, D)
+        og = og.transpose(1, 2).reshape(rows * max_query, num_heads, head_dim)
+        out[group.out_tokens] = og[group.out_rows]
+    return out

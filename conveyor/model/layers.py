@@ -1,0 +1,90 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated (SwiGLU) MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                  freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the attention scaling factor for a RoPE variant."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    attention_factor = 1.0
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    return inv_freq.float(), attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (Hugging Face layout) applied at arbitrary per-token positions."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: building on the meta device and `to_empty` must not wipe it.
+        self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, theta, scaling, freq_factors)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                         # (T, D)
+        cos = (emb.cos() * self.attention_factor).to(dtype)[:, None, :]  # (T, 1, D)
+        sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos/sin: (T, 1, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)                                    # (T, 2I)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

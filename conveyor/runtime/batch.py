@@ -1,0 +1,43 @@
+"""StepPlan -> one packed batch: token ids, positions, attention metadata, rows to sample. No padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.core.plan import StepPlan
+from conveyor.model.attention import AttentionMetadata, RowSpec, build_metadata
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: torch.Tensor        # (T,) the new tokens of every row, concatenated
+    positions: torch.Tensor        # (T,) each token's position in its own sequence
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor   # (S,) the last token of each sampling row
+    sampling_ids: list[str]        # request ids of the sampling rows, in order
+
+
+def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
+                device: torch.device) -> Batch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    rows: list[RowSpec] = []
+    logits_indices: list[int] = []
+    sampling_ids: list[str] = []
+    for row in plan.rows:
+        start = len(input_ids)
+        input_ids.extend(row.token_ids)
+        positions.extend(range(row.start_position, row.start_position + row.num_tokens))
+        rows.append(RowSpec(start, row.num_tokens, row.start_position + row.num_tokens, row.block_table))
+        if row.is_sampling:
+            logits_indices.append(len(input_ids) - 1)
+            sampling_ids.append(row.request_id)
+    return Batch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        meta=build_metadata(rows, block_size, sliding_window, device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        sampling_ids=sampling_ids,
+    )

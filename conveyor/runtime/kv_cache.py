@@ -1,0 +1,30 @@
+"""The paged KV cache: per layer, K and V tensors of fixed-size blocks, addressed by slot."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.model.llama import ModelArch
+
+
+class KVCache:
+    """K and V for every layer: (num_blocks, block_size, num_kv_heads, head_dim) each.
+
+    slot = block_id * block_size + offset; the block manager decides which blocks a request owns.
+    """
+
+    def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+        return arch.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def num_blocks_for(cls, arch: ModelArch, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+        return memory_bytes // cls.bytes_per_block(arch, block_size, dtype)

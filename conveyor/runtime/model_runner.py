@@ -1,0 +1,25 @@
+"""ModelRunner: one forward per StepPlan over the paged KV cache; logits only for sampling rows."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.core.plan import StepPlan
+from conveyor.model.llama import LlamaModel
+from conveyor.runtime.batch import Batch, build_batch
+from conveyor.runtime.kv_cache import KVCache
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
+        """Run the plan's packed batch; returns it with logits (S, V) float32 for its sampling rows."""
+        batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device)
+        with torch.inference_mode():
+            logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
+                                batch.logits_indices)
+        return batch, logits

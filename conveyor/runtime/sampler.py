@@ -1,0 +1,244 @@
+"""Sampler: one step's logits -> one token per row, with per-row penalties, min_tokens,
+temperature, top-k / top-p / min-p, per-request seeds and logprobs.
+
+Order of operations (vLLM's):
+    penalties (repetition over prompt+output; frequency, presence over output)
+    -> logprobs snapshot (log_softmax of the penalised logits)
+    -> min_tokens mask (eos and stop_token_ids -> -inf)
+    -> greedy rows: argmax
+    -> random rows: / temperature -> min_p -> top_k -> top_p -> draw argmax(probs / Exp(1) noise)
+
+Every step is batched over rows with per-row parameter tensors; the only per-row Python loops are
+over rows that need it (seeded rows for their generators, rows still under min_tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Below this a row is greedy: dividing float32 logits by a tinier temperature can overflow to inf (vLLM's cutoff).
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """The per-request state one row of logits is sampled with."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]          # tokens generated so far (penalties, min_tokens)
+    generator: torch.Generator | None    # the request's own generator when params.seed is set, else None
+    eos_token_ids: frozenset[int]        # blocked while len(output_token_ids) < params.min_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]         # top-N (token_id, logprob), N = params.logprobs, best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]                 # one per row
+    logprobs: list[TokenLogprobs | None] # one per row; None when params.logprobs is None
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The generator a request keeps for its whole life (it advances every sampled step), or None."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    # torch accepts seeds in [-2**63, 2**64); SamplingParams has no upper bound, so fold big seeds in.
+    generator.manual_seed(params.seed % 2**64)
+    return generator
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Return logits (S, V) with each row's repetition, frequency and presence penalties applied.
+
+    repetition: tokens seen in prompt or output get logit / p if logit > 0 else logit * p.
+    frequency, presence: logit -= frequency * count_in_output + presence * (count_in_output > 0).
+    The input tensor is not modified.
+    """
+    penalised = [i for i, row in enumerate(rows) if uses_penalties(row.params)]
+    if not penalised:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    index = torch.tensor(penalised, dtype=torch.long, device=device)
+    params = [rows[i].params for i in penalised]
+    sub = logits.index_select(0, index)                                                      # (R, V)
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalised], vocab_size, device)  # (R, V)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = output_counts > 0
+        if any(rows[i].prompt_token_ids for i in penalised):
+            seen |= _token_counts([rows[i].prompt_token_ids for i in penalised], vocab_size, device) > 0
+        repetition = _column([p.repetition_penalty for p in params], device)               # (R, 1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    frequency = _column([p.frequency_penalty for p in params], device)                     # (R, 1)
+    presence = _column([p.presence_penalty for p in params], device)                       # (R, 1)
+    sub = sub - frequency * output_counts - presence * (output_counts > 0)
+    return logits.index_copy(0, index, sub)
+
+
+class Sampler:
+    """Stateless across steps: everything a row needs (history, generator) comes in its SamplingRow.
+
+    A seeded row's draw depends only on its own generator and its own probabilities, so the same
+    seed gives the same tokens whatever else is in the batch. Greedy rows never consume randomness,
+    and unseeded rows draw from torch's default generator only.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: (S, V) float32, one row per SamplingRow."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be (num_rows={len(rows)}, vocab), got {tuple(logits.shape)}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = logits.to(device=self.device, dtype=torch.float32)                       # (S, V)
+        logits = apply_penalties(logits, rows)
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        # Reported logprobs are the model's distribution after penalties, before min_tokens and temperature.
+        raw_logprobs = (logits.index_select(0, self._index(logprob_rows)).log_softmax(dim=-1)
+                        if logprob_rows else None)                                           # (L, V)
+        logits = _block_stop_tokens(logits, rows)
+        token_ids = self._choose(logits, rows)                                               # (S,)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            sampled = token_ids.index_select(0, self._index(logprob_rows))                     # (L,)
+            num_top = [rows[i].params.logprobs or 0 for i in logprob_rows]
+            for i, entry in zip(logprob_rows, _gather_logprobs(raw_logprobs, sampled, num_top)):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)              # (S,) the greedy answer; random rows are overwritten
+        random_rows = [i for i, row in enumerate(rows) if row.params.temperature >= MIN_TEMPERATURE]
+        if not random_rows:
+            return token_ids
+        index = self._index(random_rows)
+        params = [rows[i].params for i in random_rows]
+        vocab_size = logits.shape[1]
+        sub = logits.index_select(0, index) / _column([p.temperature for p in params], self.device)  # (R, V)
+        if any(p.min_p > 0 for p in params):
+            sub = _apply_min_p(sub, _column([p.min_p for p in params], self.device))
+        top_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if top_rows:
+            top_index = self._index(top_rows)
+            top_k = torch.tensor([_top_k(params[j], vocab_size) for j in top_rows],
+                                 dtype=torch.long, device=self.device)                       # (T,)
+            top_p = _column([params[j].top_p for j in top_rows], self.device)               # (T, 1)
+            sub = sub.index_copy(0, top_index, _apply_top_k_top_p(sub.index_select(0, top_index), top_k, top_p))
+        probs = sub.softmax(dim=-1)                                                          # (R, V)
+        sampled = _draw(probs, [rows[i].generator for i in random_rows])                     # (R,)
+        return token_ids.index_copy(0, index, sampled)
+
+    def _index(self, positions: list[int]) -> torch.Tensor:
+        return torch.tensor(positions, dtype=torch.long, device=self.device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)           # (R, 1)
+
+
+def _top_k(params: SamplingParams, vocab_size: int) -> int:
+    return params.top_k if 0 < params.top_k < vocab_size else vocab_size
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(R, V) float32 occurrence counts, built with one scatter_add over the flattened ids."""
+    counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.float32, device=device)  # (R*V,)
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long, device=device)
+    if int(lengths.sum()) > 0:
+        flat_ids = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in token_lists]).to(device)  # (N,)
+        row_of = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)          # (N,)
+        counts.scatter_add_(0, row_of * vocab_size + flat_ids, torch.ones_like(flat_ids, dtype=torch.float32))
+    return counts.view(len(token_lists), vocab_size)
+
+
+def _block_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Set eos and stop_token_ids to -inf for rows that have not yet produced min_tokens tokens."""
+    vocab_size = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            # Ids past the vocabulary can never be sampled, so there is nothing to block.
+            blocked = [t for t in row.eos_token_ids.union(row.params.stop_token_ids) if t < vocab_size]
+            row_ids.extend([i] * len(blocked))
+            token_ids.extend(blocked)
+    if not row_ids:
+        return logits
+    index = (torch.tensor(row_ids, dtype=torch.long, device=logits.device),
+             torch.tensor(token_ids, dtype=torch.long, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits (R, V), min_p (R, 1): drop tokens whose probability is below min_p * the row's top probability."""
+    probs = logits.softmax(dim=-1)                                                           # (R, V)
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits (T, V), top_k (T,) with V = off, top_p (T, 1) with 1 = off; one sort for all rows.
+
+    top_k keeps logits >= the k-th largest (ties with it survive, as in vLLM); top_p then keeps the
+    smallest prefix of the renormalised sorted distribution whose mass reaches top_p.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)                              # (T, V)
+    kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))                                  # (T, 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)                                                    # (T, V)
+    mass_before = probs.cumsum(dim=-1) - probs                   # (T, V) mass of strictly better-ranked tokens
+    # The best token has mass_before == 0 < top_p, so every row keeps at least one token.
+    drop = (mass_before >= top_p) & (top_p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs (R, V) -> (R,) token ids via argmax(probs / q), q ~ Exp(1): exact categorical sampling.
+
+    Seeded rows fill their own noise row from their own generator, so their draw is independent of
+    the batch; unseeded rows share torch's default generator.
+    """
+    noise = torch.empty_like(probs)                                                          # (R, V)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+        noise.index_copy_(0, index, torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_())
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            noise[j].exponential_(generator=generator)
+    # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax prefers over every real token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """logprobs (L, V), token_ids (L,) -> the sampled token's logprob and each row's top-N, as Python values."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()                  # (L,)
+    max_top = min(max(num_top), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)                                     # (L, N); N may be 0
+    return [TokenLogprobs(token_id=token_id, logprob=value, top=list(zip(ids[:n], values[:n])))
+            for token_id, value, ids, values, n
+            in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist(), num_top)]

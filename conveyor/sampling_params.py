@@ -1,0 +1,79 @@
+"""SamplingParams: the user-facing, per-request generation settings, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int | None = 16           # None = up to the model length
+    temperature: float = 1.0              # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None           # None = off; N = the sampled token's and the top N
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens is not None and not _is_int(self.max_tokens, minimum=1):
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens!r}", param="max_tokens")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if not _is_int(self.top_k, minimum=-1):
+            raise InvalidRequest(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}",
+                                 param="top_k")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+                                 param="repetition_penalty")
+        if self.seed is not None and not _is_int(self.seed, minimum=-(2**63)):
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if not _is_int(self.min_tokens, minimum=0):
+            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens!r}", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                 param="min_tokens")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if not all(_is_int(t, minimum=0) for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative integers", param="stop_token_ids")
+        if self.logprobs is not None and not (_is_int(self.logprobs, minimum=0) and self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
+                                 param="logprobs")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
