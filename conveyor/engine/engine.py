@@ -27,7 +27,7 @@ from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
-from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs
+from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -140,10 +140,7 @@ class LLMEngine:
             priority=priority,
         )
         self.scheduler.add(request)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device)
-            generator.manual_seed(params.seed)
+        generator = make_generator(params, self.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                              skip_special_tokens=params.skip_special_tokens)
         self._streams[request_id] = _Stream(request, detokenizer, generator)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from conveyor import kernels
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -24,12 +26,15 @@ class AttentionGroup:
     window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
     out_rows: torch.Tensor        # (n,) long: flat positions in B * Lq that hold real queries
     out_tokens: torch.Tensor      # (n,) long: packed token index of each of those queries
+    context_lens: torch.Tensor    # (B,) long: keys visible to each row's last query
+    is_decode: bool               # one query per row: the fused decode kernel can take it
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor    # (T,) long: cache slot (block_id * block_size + offset) per token
     groups: list[AttentionGroup]
+    use_kernel: bool = False      # decode rows go through the fused C kernel (float32 on CPU)
 
 
 @dataclass(slots=True)
@@ -76,11 +81,13 @@ def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None
         window_mask=window_mask,
         out_rows=out_rows.to(device),
         out_tokens=query_index.reshape(-1)[out_rows].to(device),
+        context_lens=context_len.to(device),
+        is_decode=max_query == 1,
     )
 
 
 def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                   device: torch.device) -> AttentionMetadata:
+                   device: torch.device, use_kernel: bool = False) -> AttentionMetadata:
     """Slot mapping for the rows' new tokens, and the rows split into decode and prefill groups.
 
     Decode rows (one query each) and prefill chunks are padded separately, so a long chunk never
@@ -94,12 +101,12 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
     decode = [r for r in rows if r.num_query == 1]
     prefill = [r for r in rows if r.num_query > 1]
     groups = [build_group(g, block_size, sliding_window, device) for g in (decode, prefill) if g]
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, use_kernel)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, use_window: bool) -> torch.Tensor:
+                    scale: float, window: int | None) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query to its row's context.
 
     q: (T, H, D); k, v: (T, KV, D); k_cache, v_cache: (num_blocks, block_size, KV, D).
@@ -112,12 +119,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
+        if group.is_decode and meta.use_kernel:
+            out[group.out_tokens] = kernels.paged_decode(
+                q[group.out_tokens], k_cache, v_cache, group.block_tables, group.context_lens, scale, window)
+            continue
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size
         qg = q[group.query_index].transpose(1, 2)                                 # (B, H, Lq, D)
         kg = k_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
         vg = v_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
-        mask = group.window_mask if use_window and group.window_mask is not None else group.mask
+        mask = group.window_mask if window is not None and group.window_mask is not None else group.mask
         og = F.scaled_dot_product_attention(
             qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,

@@ -57,7 +57,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.scale = self.head_dim ** -0.5
-        self.use_window = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
+        is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
+        self.window = arch.sliding_window if is_sliding else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -66,7 +67,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)     # (T, H, D)
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KV, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.use_window)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -73,7 +73,9 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         model.load_weights(weights)
     except ModelLoadError:
         raise
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+    except KeyError as exc:
+        raise ModelLoadError(f"cannot load {path}: the checkpoint lacks {exc}") from exc
+    except (ValueError, TypeError, AttributeError, OSError) as exc:
         raise ModelLoadError(f"cannot load {path}: {exc}") from exc
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
@@ -81,26 +83,22 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
     return model
 
 
-def max_model_len(path: Path) -> int:
-    """The context length the checkpoint was trained for."""
-    if path.is_file():
-        return _open_gguf_arch(_gguf_reader(path))[0].max_position_embeddings
-    return _arch_from_hf_config(_read_hf_config(path)).max_position_embeddings
-
-
 # ---------------------------------------------------------------- Hugging Face folders
 
 
 def _read_hf_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{folder / 'config.json'} does not hold a JSON object")
+    return config
 
 
 def _arch_from_hf_config(cfg: dict) -> ModelArch:
     architectures = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-    name = architectures[0]
+    name = architectures if isinstance(architectures, str) else architectures[0]
     if name not in HF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {name!r}. Supported: {SUPPORTED}.")
     text_cfg = cfg

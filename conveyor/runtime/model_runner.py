@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor import kernels
 from conveyor.core.plan import StepPlan
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.batch import Batch, build_batch
@@ -15,10 +16,14 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        # The fused decode kernel reads float32 CPU caches; anything else takes the torch path.
+        self.use_kernel = (device.type == "cpu" and kv_cache.tensor.dtype == torch.float32
+                           and kernels.has_paged_decode())
 
     def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
         """Run the plan's packed batch; returns it with logits (S, V) float32 for its sampling rows."""
-        batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device)
+        batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device,
+                            self.use_kernel)
         with torch.inference_mode():
             logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
                                 batch.logits_indices)

@@ -8,6 +8,9 @@ Order of operations (vLLM's):
     -> greedy rows: argmax
     -> random rows: / temperature -> min_p -> top_k -> top_p -> draw argmax(probs / Exp(1) noise)
 
+Filters cut at a value threshold, never at a sort position, so a row's result depends only on its
+own logits, not on tie order or on what else is in the batch.
+
 Every step is batched over rows with per-row parameter tensors; the only per-row Python loops are
 over rows that need it (seeded rows for their generators, rows still under min_tokens).
 """
@@ -25,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # Below this a row is greedy: dividing float32 logits by a tinier temperature can overflow to inf (vLLM's cutoff).
 MIN_TEMPERATURE = 1e-5
+# top_p looks for its cut among this many best tokens first; rows whose cut lies further get a full sort.
+TOP_P_CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -80,16 +85,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     index = torch.tensor(penalised, dtype=torch.long, device=device)
     params = [rows[i].params for i in penalised]
     sub = logits.index_select(0, index)                                                      # (R, V)
-    output_counts = _token_counts([rows[i].output_token_ids for i in penalised], vocab_size, device)  # (R, V)
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalised], vocab_size, device)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = output_counts > 0
         if any(rows[i].prompt_token_ids for i in penalised):
             seen |= _token_counts([rows[i].prompt_token_ids for i in penalised], vocab_size, device) > 0
         repetition = _column([p.repetition_penalty for p in params], device)               # (R, 1)
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    frequency = _column([p.frequency_penalty for p in params], device)                     # (R, 1)
-    presence = _column([p.presence_penalty for p in params], device)                       # (R, 1)
-    sub = sub - frequency * output_counts - presence * (output_counts > 0)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub = sub - _column([p.frequency_penalty for p in params], device) * output_counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        sub = sub - _column([p.presence_penalty for p in params], device) * (output_counts > 0)
     return logits.index_copy(0, index, sub)
 
 
@@ -135,16 +141,20 @@ class Sampler:
         index = self._index(random_rows)
         params = [rows[i].params for i in random_rows]
         vocab_size = logits.shape[1]
-        sub = logits.index_select(0, index) / _column([p.temperature for p in params], self.device)  # (R, V)
+        temperature = _column([p.temperature for p in params], self.device)                 # (R, 1)
+        sub = logits.index_select(0, index) / temperature                                    # (R, V)
         if any(p.min_p > 0 for p in params):
             sub = _apply_min_p(sub, _column([p.min_p for p in params], self.device))
-        top_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
-        if top_rows:
-            top_index = self._index(top_rows)
-            top_k = torch.tensor([_top_k(params[j], vocab_size) for j in top_rows],
-                                 dtype=torch.long, device=self.device)                       # (T,)
-            top_p = _column([params[j].top_p for j in top_rows], self.device)               # (T, 1)
-            sub = sub.index_copy(0, top_index, _apply_top_k_top_p(sub.index_select(0, top_index), top_k, top_p))
+        k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab_size]
+        if k_rows:
+            k_index = self._index(k_rows)
+            top_k = torch.tensor([params[j].top_k for j in k_rows], dtype=torch.long, device=self.device)
+            sub = sub.index_copy(0, k_index, _apply_top_k(sub.index_select(0, k_index), top_k))
+        p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            p_index = self._index(p_rows)
+            top_p = _column([params[j].top_p for j in p_rows], self.device)                  # (P, 1)
+            sub = sub.index_copy(0, p_index, _apply_top_p(sub.index_select(0, p_index), top_p))
         probs = sub.softmax(dim=-1)                                                          # (R, V)
         sampled = _draw(probs, [rows[i].generator for i in random_rows])                     # (R,)
         return token_ids.index_copy(0, index, sampled)
@@ -157,17 +167,13 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)           # (R, 1)
 
 
-def _top_k(params: SamplingParams, vocab_size: int) -> int:
-    return params.top_k if 0 < params.top_k < vocab_size else vocab_size
-
-
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """(R, V) float32 occurrence counts, built with one scatter_add over the flattened ids."""
     counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.float32, device=device)  # (R*V,)
     lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long, device=device)
     if int(lengths.sum()) > 0:
-        flat_ids = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in token_lists]).to(device)  # (N,)
-        row_of = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)          # (N,)
+        flat_ids = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in token_lists]).to(device)
+        row_of = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)  # (N,)
         counts.scatter_add_(0, row_of * vocab_size + flat_ids, torch.ones_like(flat_ids, dtype=torch.float32))
     return counts.view(len(token_lists), vocab_size)
 
@@ -196,21 +202,39 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits (T, V), top_k (T,) with V = off, top_p (T, 1) with 1 = off; one sort for all rows.
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """logits (K, V), top_k (K,) in [1, V): keep logits >= the row's k-th largest (ties survive, as in vLLM)."""
+    largest = logits.topk(int(top_k.max()), dim=-1).values                                  # (K, max_k) best first
+    kth = largest.gather(1, (top_k - 1).unsqueeze(1))                                        # (K, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
 
-    top_k keeps logits >= the k-th largest (ties with it survive, as in vLLM); top_p then keeps the
-    smallest prefix of the renormalised sorted distribution whose mass reaches top_p.
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits (P, V), top_p (P, 1) in (0, 1): keep the smallest best-first prefix whose mass reaches top_p.
+
+    The cut is a probability threshold, so tokens tied with the last kept one survive too and the
+    result never depends on sort order among ties. Only sorted values are needed: the best
+    TOP_P_CANDIDATES settle most rows, and a full sort runs only for rows whose cut lies past them.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)                              # (T, V)
-    kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))                                  # (T, 1)
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)                                                    # (T, V)
-    mass_before = probs.cumsum(dim=-1) - probs                   # (T, V) mass of strictly better-ranked tokens
-    # The best token has mass_before == 0 < top_p, so every row keeps at least one token.
-    drop = (mass_before >= top_p) & (top_p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)                                                           # (P, V)
+    num_candidates = min(TOP_P_CANDIDATES, probs.shape[1])
+    candidates = probs.topk(num_candidates, dim=-1).values                                   # (P, C) best first
+    num_kept = _num_kept(candidates, top_p)                                                  # (P, 1)
+    threshold = candidates.gather(1, num_kept - 1)                                           # (P, 1)
+    if num_candidates < probs.shape[1]:
+        short = (num_kept.squeeze(1) == num_candidates).nonzero().squeeze(1)                 # (F,)
+        if short.numel() > 0:
+            # A sort's prefix equals the top-k values and cumsum is a running sum, so both paths agree.
+            ranked = probs.index_select(0, short).sort(dim=-1, descending=True).values       # (F, V)
+            full_threshold = ranked.gather(1, _num_kept(ranked, top_p.index_select(0, short)) - 1)
+            threshold = threshold.index_copy(0, short, full_threshold)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _num_kept(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """ranked (P, C) probabilities best first, top_p (P, 1) -> (P, 1) length of the kept prefix (>= 1)."""
+    mass_before = ranked.cumsum(dim=-1) - ranked                 # (P, C) mass of strictly better-ranked tokens
+    return (mass_before < top_p).sum(dim=-1, keepdim=True)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -219,17 +243,18 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     Seeded rows fill their own noise row from their own generator, so their draw is independent of
     the batch; unseeded rows share torch's default generator.
     """
-    noise = torch.empty_like(probs)                                                          # (R, V)
+    uniform = torch.empty_like(probs)                                                        # (R, V) in [0, 1)
     unseeded = [j for j, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        noise.exponential_()
+        uniform.uniform_()
     elif unseeded:
         index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-        noise.index_copy_(0, index, torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_())
+        uniform.index_copy_(0, index, torch.rand(len(unseeded), probs.shape[1], device=probs.device))
     for j, generator in enumerate(generators):
         if generator is not None:
-            noise[j].exponential_(generator=generator)
-    # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax prefers over every real token.
+            uniform[j].uniform_(generator=generator)
+    noise = uniform.log_().neg_()                                                            # (R, V) ~ Exp(1)
+    # Guards u == 1: a zero would make 0/0 = NaN, which argmax prefers over every real token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.runtime import sampler as sampler_module
 from conveyor.runtime.sampler import Sampler, SamplingRow, apply_penalties, make_generator
 from conveyor.sampling_params import SamplingParams
 
@@ -186,7 +187,8 @@ def test_top_k_stays_in_top_k(sampler: Sampler, top_k: int) -> None:
     base = random_logits(1, seed=7, scale=0.5)                       # flat: many tokens are plausible
     logits = base.expand(4000, VOCAB)
     allowed = set(base[0].topk(top_k).indices.tolist())
-    rows = [make_row(SamplingParams(temperature=2.0, top_k=top_k, seed=(i if i % 2 else None))) for i in range(4000)]
+    rows = [make_row(SamplingParams(temperature=2.0, top_k=top_k, seed=(i if i % 2 else None)))
+            for i in range(4000)]
     drawn = set(sampler.sample(logits, rows).token_ids)
     assert drawn <= allowed
     assert len(drawn) == top_k                                        # and all of them do occur
@@ -199,6 +201,29 @@ def test_top_p_keeps_smallest_prefix_reaching_p(sampler: Sampler) -> None:
     for top_p, expected in [(0.4, {1}), (0.75, {1, 3}), (0.9, {1, 3, 2}), (0.97, {0, 1, 2, 3})]:
         rows = [make_row(SamplingParams(top_p=top_p))] * 3000        # unseeded rows carry no state
         assert set(sampler.sample(logits.expand(3000, VOCAB), rows).token_ids) == expected, top_p
+
+
+def _reference_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One row at a time: sort, keep the shortest prefix reaching top_p plus anything tied with its last token."""
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    for i, row in enumerate(logits.softmax(dim=-1)):
+        ranked = row.sort(descending=True).values
+        num_kept = int(((ranked.cumsum(0) - ranked) < top_p).sum())
+        kept[i] = row >= ranked[num_kept - 1]
+    return kept
+
+
+@pytest.mark.parametrize("num_candidates", [1, 16, 256, 4096])
+def test_top_p_candidates_and_full_sort_agree(monkeypatch: pytest.MonkeyPatch, num_candidates: int) -> None:
+    # 1000 tokens: peaky rows settle within the candidates, flat rows fall back to the full sort.
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", num_candidates)
+    generator = torch.Generator().manual_seed(16)
+    scales = torch.tensor([0.1, 0.5, 2.0, 6.0, 12.0]).repeat(4).unsqueeze(1)               # (20, 1)
+    logits = torch.randn(20, 1000, generator=generator) * scales                            # (20, 1000)
+    logits[0, :10] = 3.0                                                                     # a tie across the cut
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        filtered = sampler_module._apply_top_p(logits, torch.full((20, 1), top_p))
+        assert torch.equal(filtered > float("-inf"), _reference_top_p(logits, top_p)), top_p
 
 
 def test_min_p_drops_tokens_below_fraction_of_max(sampler: Sampler) -> None:
@@ -275,7 +300,8 @@ def test_frequency_and_presence_apply_to_output_only() -> None:
 
 def test_penalties_only_touch_their_rows() -> None:
     logits = random_logits(3, seed=12)
-    rows = [make_row(output=[1, 2]), make_row(SamplingParams(frequency_penalty=1.0), output=[4]), make_row(prompt=[1])]
+    rows = [make_row(output=[1, 2]), make_row(SamplingParams(frequency_penalty=1.0), output=[4]),
+            make_row(prompt=[1])]
     penalised = apply_penalties(logits, rows)
     assert torch.equal(penalised[0], logits[0]) and torch.equal(penalised[2], logits[2])
     assert penalised[1, 4] == logits[1, 4] - 1.0
@@ -298,7 +324,8 @@ def test_penalty_flips_greedy_choice(sampler: Sampler, params: SamplingParams, p
 def test_frequency_penalty_scales_with_count(sampler: Sampler) -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 0], logits[:, 1] = 2.0, 1.5                             # gap 0.5 > 0.3 but < 2 * 0.3
-    rows = [make_row(greedy(frequency_penalty=0.3), output=[0]), make_row(greedy(frequency_penalty=0.3), output=[0, 0])]
+    params = greedy(frequency_penalty=0.3)
+    rows = [make_row(params, output=[0]), make_row(params, output=[0, 0])]
     assert sampler.sample(logits, rows).token_ids == [0, 1]
 
 

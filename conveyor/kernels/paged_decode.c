@@ -1,0 +1,115 @@
+/* Decode attention over a paged KV cache: one query token per row, fused gather + softmax + sum.
+ *
+ * Reads each key and value of a row's context exactly once (torch would gather the blocks into a
+ * padded copy first, then read that copy again). Work items are (row, kv head) pairs; each handles
+ * the G = H / KV query heads that share a kv head, so GQA costs no extra memory traffic.
+ *
+ * q:        [B, H, D]            float32
+ * k_cache:  [num_blocks, bs, KV, D] float32 (v_cache the same)
+ * tables:   [B, max_blocks]      int64 block ids
+ * ctx_lens: [B]                  int64 keys visible to the row's query (its position + 1)
+ * out:      [B, H, D]            float32
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_G 16
+#define MAX_D 256
+#define MAX_BS 256
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *tables, *ctx_lens;
+    int64_t max_blocks, B, H, KV, D, bs, window;
+    float scale;
+    float *out;
+    int64_t first, step;   /* this worker takes items first, first + step, ... */
+} job_t;
+
+static void run_item(const job_t *j, int64_t item) {
+    const int64_t b = item / j->KV, kv = item % j->KV;
+    const int64_t G = j->H / j->KV, D = j->D, bs = j->bs, KV = j->KV;
+    const int64_t ctx = j->ctx_lens[b];
+    const int64_t start = (j->window > 0 && ctx > j->window) ? ctx - j->window : 0;
+    const float *q = j->q + (b * j->H + kv * G) * D;       /* G consecutive heads */
+    float acc[MAX_G][MAX_D];
+    float m[MAX_G], l[MAX_G], s[MAX_G][MAX_BS];
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(acc[g], 0, sizeof(float) * D);
+    }
+    for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
+        const int64_t block = j->tables[b * j->max_blocks + t0 / bs];
+        const int64_t lo = t0 < start ? start - t0 : 0;
+        const int64_t hi = (ctx - t0) < bs ? (ctx - t0) : bs;
+        const float *kb = j->k_cache + (block * bs * KV + kv) * D;
+        const float *vb = j->v_cache + (block * bs * KV + kv) * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            float bmax = -INFINITY;
+            for (int64_t t = lo; t < hi; t++) {
+                const float *kt = kb + t * KV * D;
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
+                dot *= j->scale;
+                s[g][t] = dot;
+                if (dot > bmax) bmax = dot;
+            }
+            const float new_m = bmax > m[g] ? bmax : m[g];
+            const float correction = expf(m[g] - new_m);
+            l[g] *= correction;
+            for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
+            for (int64_t t = lo; t < hi; t++) {
+                const float p = expf(s[g][t] - new_m);
+                const float *vt = vb + t * KV * D;
+                l[g] += p;
+                for (int64_t d = 0; d < D; d++) acc[g][d] += p * vt[d];
+            }
+            m[g] = new_m;
+        }
+    }
+    float *o = j->out + (b * j->H + kv * G) * D;
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g][d] * inv;
+    }
+}
+
+static void *worker(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    const int64_t items = j->B * j->KV;
+    for (int64_t item = j->first; item < items; item += j->step) run_item(j, item);
+    return NULL;
+}
+
+/* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers. */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                     const int64_t *tables, int64_t max_blocks, const int64_t *ctx_lens,
+                     int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs, int64_t window,
+                     float scale, float *out, int64_t num_threads) {
+    if (H % KV != 0 || H / KV > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
+    const int64_t items = B * KV;
+    if (num_threads > items) num_threads = items;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > 64) num_threads = 64;
+    job_t jobs[64];
+    pthread_t threads[64];
+    for (int64_t i = 0; i < num_threads; i++) {
+        jobs[i] = (job_t){q, k_cache, v_cache, tables, ctx_lens, max_blocks, B, H, KV, D, bs, window,
+                          scale, out, i, num_threads};
+    }
+    int64_t spawned = 0;
+    for (int64_t i = 1; i < num_threads; i++) {
+        if (pthread_create(&threads[i], NULL, worker, &jobs[i]) != 0) break;
+        spawned = i;
+    }
+    /* Items of workers that could not be spawned are run here. */
+    for (int64_t i = spawned + 1; i < num_threads; i++) worker(&jobs[i]);
+    worker(&jobs[0]);
+    for (int64_t i = 1; i <= spawned; i++) pthread_join(threads[i], NULL);
+    return 0;
+}

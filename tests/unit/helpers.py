@@ -1,0 +1,57 @@
+"""Builders shared by the model-free core tests: make_request, FakeClock, a strict block audit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.request import Request
+from conveyor.sampling_params import SamplingParams
+
+EOS = 2
+
+
+class FakeClock:
+    """A clock that moves only when told to, so timestamps in tests are exact."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float = 1.0) -> None:
+        self.now_s += seconds
+
+
+def make_request(request_id: str, prompt_len: int = 4, *, prompt: Sequence[int] | None = None,
+                 max_tokens: int | None = 4, min_tokens: int = 0, ignore_eos: bool = False,
+                 stop_token_ids: Iterable[int] = (), priority: int = 0,
+                 eos_token_ids: Iterable[int] = (EOS,), arrival_s: float = 0.0) -> Request:
+    """A request whose prompt is `prompt`, or `prompt_len` tokens 100, 101, ... (never the eos id)."""
+    prompt_token_ids = list(prompt) if prompt is not None else [100 + i for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                            stop_token_ids=list(stop_token_ids))
+    return Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                   arrival_s=arrival_s, max_tokens=max_tokens, eos_token_ids=frozenset(eos_token_ids),
+                   priority=priority)
+
+
+def audit_blocks(blocks: BlockManager, live: Iterable[Request]) -> None:
+    """check_integrity plus what it skips: holders == ref counts even with no live request, and a
+    block held by several requests is a published prefix-cache block."""
+    live = list(live)
+    blocks.check_integrity(live)
+    holders = [0] * blocks.num_blocks
+    for request in live:
+        assert len(set(request.block_table)) == len(request.block_table), \
+            f"{request.request_id} holds a block twice: {request.block_table}"
+        for block_id in request.block_table:
+            holders[block_id] += 1
+    assert holders == blocks.ref_counts, f"holders {holders} != ref counts {blocks.ref_counts}"
+    for block_id, count in enumerate(holders):
+        if count > 1:
+            assert blocks.block_hashes[block_id] is not None, f"unhashed block {block_id} is shared"
+    assert blocks.num_free_blocks + blocks.num_used_blocks == blocks.num_blocks
+    assert blocks.num_used_blocks == sum(1 for c in holders if c > 0)
+    assert len(blocks.cached) == sum(1 for h in blocks.block_hashes if h is not None)
