@@ -140,12 +140,14 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.blocks.allocate(request, num_cached + num_new, cached_ids)
-            self.blocks.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
-            request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_s is None:
+                # Only a first admission counts: a resumed request hitting its own blocks is no prompt hit.
                 request.first_scheduled_s = self.clock()
+                request.num_cached_tokens = num_cached
+                if self.blocks.enable_prefix_caching:
+                    self.blocks.record_lookup(request.num_tokens, num_cached)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             rows.append(self._row(request, num_new))
             budget -= num_new
@@ -155,6 +157,9 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: Iterable[int]) -> StepResult:
         """Advance the scheduled requests; `sampled` holds one token per sampling row, in plan order."""
+        sampled = list(sampled)
+        if len(sampled) != sum(row.is_sampling for row in plan.rows):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.sampling_ids)} sampling rows")
         tokens = iter(sampled)
         result = StepResult()
         now = self.clock()

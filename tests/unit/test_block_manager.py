@@ -157,7 +157,12 @@ def test_hashes_are_chained_to_the_whole_prefix() -> None:
     assert blocks.find_cached_blocks(same_first_block) == a.block_table[:1]
     same_both = make_request("d", prompt=[1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
     assert blocks.find_cached_blocks(same_both) == a.block_table[:2]
-    audit_blocks(blocks, [a])
+    # The same second block under another prefix is another cache entry, not a duplicate of a's.
+    computed(same_second_block, blocks)
+    assert same_second_block.block_hashes[1] != a.block_hashes[1]
+    assert len(blocks.cached) == 4
+    assert blocks.cached[same_second_block.block_hashes[1]] == same_second_block.block_table[1]
+    audit_blocks(blocks, [a, same_second_block])
 
 
 def test_shared_block_is_freed_only_when_both_holders_free_it() -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: conveyor against its peers on the same model and workload, in one run."""
