@@ -168,11 +168,11 @@ class LLMEngine:
     # ------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
+        started = self.clock()
+        lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        started = self.clock()
-        lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
         try:
             outputs = self._run(plan)
         except Exception as exc:  # a failed step fails its own requests; the engine goes on
