@@ -48,28 +48,35 @@ static void run_item(const job_t *j, int64_t item) {
         const int64_t hi = (ctx - t0) < bs ? (ctx - t0) : bs;
         const float *kb = j->k_cache + (block * bs * KV + kv) * D;
         const float *vb = j->v_cache + (block * bs * KV + kv) * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            float bmax = -INFINITY;
-            for (int64_t t = lo; t < hi; t++) {
-                const float *kt = kb + t * KV * D;
+        /* Scores for every query head sharing this kv head; each key row is loaded once for all G. */
+        for (int64_t t = lo; t < hi; t++) {
+            const float *kt = kb + t * KV * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + g * D;
                 float dot = 0.f;
                 for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
-                dot *= j->scale;
-                s[g][t] = dot;
-                if (dot > bmax) bmax = dot;
+                s[g][t] = dot * j->scale;
             }
-            const float new_m = bmax > m[g] ? bmax : m[g];
-            const float correction = expf(m[g] - new_m);
+        }
+        /* Online softmax: rescale what was summed so far to the new running maximum. */
+        for (int64_t g = 0; g < G; g++) {
+            float bmax = m[g];
+            for (int64_t t = lo; t < hi; t++) bmax = s[g][t] > bmax ? s[g][t] : bmax;
+            const float correction = expf(m[g] - bmax);
             l[g] *= correction;
             for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
             for (int64_t t = lo; t < hi; t++) {
-                const float p = expf(s[g][t] - new_m);
-                const float *vt = vb + t * KV * D;
-                l[g] += p;
+                s[g][t] = expf(s[g][t] - bmax);
+                l[g] += s[g][t];
+            }
+            m[g] = bmax;
+        }
+        for (int64_t t = lo; t < hi; t++) {
+            const float *vt = vb + t * KV * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float p = s[g][t];
                 for (int64_t d = 0; d < D; d++) acc[g][d] += p * vt[d];
             }
-            m[g] = new_m;
         }
     }
     float *o = j->out + (b * j->H + kv * G) * D;

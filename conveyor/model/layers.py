@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
         dtype = x.dtype
         x32 = x.float()
@@ -61,18 +63,16 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, theta, scaling, freq_factors)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, (T, 1, D) each, for `apply_rotary`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                         # (T, D)
-        cos = (emb.cos() * self.attention_factor).to(dtype)[:, None, :]  # (T, 1, D)
-        sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
-        return cos, sin
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: the sign moves into the table.
+        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos/sin: (T, 1, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: (T, H, D); cos/signed_sin: (T, 1, D) from `RotaryEmbedding.cos_sin`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class GatedMLP(nn.Module):
