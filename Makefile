@@ -1,10 +1,11 @@
-# A fresh clone needs only `make run` (install + generate) or `make test` (install + the test suite).
+# A fresh clone needs only `make run` (install + serve the bundled model), `make generate` (install +
+# answer one prompt) or `make test` (install + the test suite).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test clean
+.PHONY: install install-test run generate test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: install
+	$(BIN)/conveyor serve
+
+generate: install
 	$(BIN)/conveyor generate "$(PROMPT)"
 
 test: install-test

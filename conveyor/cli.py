@@ -31,7 +31,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="recompute shared prompt prefixes instead of reusing their KV blocks")
-    group.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: WARNING for generate)")
+    group.add_argument("--log-level", default=None,
+                       help="DEBUG, INFO, WARNING (default: WARNING for generate, INFO for serve)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -58,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_flags(gen)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model file or folder name)")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="requests allowed to wait for a batch slot; past it the answer is 429 (default: no limit)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM before they fail")
+    _add_engine_flags(serve)
     return parser
 
 
@@ -105,12 +119,24 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from conveyor.config import EngineConfig
+    from conveyor.server.serve import run_server
+
+    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name,
+                                       max_waiting_requests=args.max_waiting_requests)
+    return run_server(config, host=args.host, port=args.port, api_key=args.api_key,
+                      max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level, "WARNING")
+    _configure_logging(args.log_level, "INFO" if args.command == "serve" else "WARNING")
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "serve":
+            return serve(args)
     except (ConveyorError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

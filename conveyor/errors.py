@@ -27,6 +27,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class Unauthorized(ConveyorError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
 class ModelNotFound(ConveyorError):
     status = 404
     error_type = "not_found_error"
@@ -36,6 +42,14 @@ class ModelNotFound(ConveyorError):
 class PromptTooLarge(ConveyorError):
     status = 413
     error_type = "invalid_request_error"
+
+
+class RequestTooLarge(ConveyorError):
+    """An HTTP request body over the server's limit (PromptTooLarge is about the prompt itself)."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class QueueFull(ConveyorError):

@@ -139,11 +139,11 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             priority=priority,
         )
-        self.scheduler.add(request)
-        generator = make_generator(params, self.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                             skip_special_tokens=params.skip_special_tokens)
-        self._streams[request_id] = _Stream(request, detokenizer, generator)
+        stream = _Stream(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                         skip_special_tokens=params.skip_special_tokens),
+                         make_generator(params, self.device))
+        self.scheduler.add(request)   # last: a request the scheduler holds always has its stream
+        self._streams[request_id] = stream
         return request_id
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

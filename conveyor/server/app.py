@@ -1,0 +1,235 @@
+"""FastAPI app factory: the OpenAI-compatible HTTP surface over one AsyncEngine.
+
+Owns routing, the request guard (API key, body size), and the one place errors become OpenAI
+error bodies: every ConveyorError, validation error and HTTP error is rendered by `error_response`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
+from conveyor.errors import ConveyorError, InvalidRequest, RequestTooLarge, Unauthorized
+from conveyor.server.metrics import ServerMetrics
+from conveyor.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+from conveyor.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+RETRY_AFTER_S = 1
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "invalid request: malformed JSON, an invalid field (named in `param`), or prompt plus "
+              "max_tokens over the model length (code `context_length_exceeded`)"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
+        (500, "the engine step running this request failed"),
+        (503, "the server is shutting down"),
+    )
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string"},
+                                     "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+
+
+def error_response(exc: ConveyorError) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code))
+    headers: dict[str, str] = {}
+    if exc.status == 429:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
+
+
+class RequestGuard:
+    """ASGI middleware: API key on /v1/*, then the body limit, before anything parses the body.
+
+    The body is read here, up to the limit, whatever Content-Length says (it may be absent or
+    wrong), and replayed to the app; after the replay the app's receive reaches the server again,
+    so disconnects are still seen.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected_auth):
+                message = "missing API key" if not given else "invalid API key"
+                await self._refuse(Unauthorized(f"{message}; send 'Authorization: Bearer <key>'"), scope, receive, send)
+                return
+        too_large = RequestTooLarge(f"the request body is larger than the server's limit of "
+                                    f"{self.max_body_bytes} bytes")
+        declared = headers.get(b"content-length")
+        if declared is not None and not declared.isdigit():
+            await self._refuse(InvalidRequest("invalid Content-Length header"), scope, receive, send)
+            return
+        if declared is not None and int(declared) > self.max_body_bytes:
+            await self._refuse(too_large, scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._refuse(too_large, scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(exc: ConveyorError, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(exc)
+        response.headers["Connection"] = "close"  # the unread rest of the body makes the connection unusable
+        await response(scope, receive, send)
+
+
+def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app serves `model_name`; its lifespan starts the engine thread and stops it at the end."""
+    metrics = ServerMetrics(async_engine.engine, model_name)
+    async_engine.observer = metrics.observe
+    serving = OpenAIServing(async_engine, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
+
+    app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server built around continuous batching",
+                  version="0.1.0", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.engine = async_engine
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(ConveyorError)
+    async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:
+        if exc.status >= 500:
+            logger.warning("%s %s failed: %s", request.method, request.url.path, exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_invalid_request(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ConveyorError(str(exc.detail))
+        error.status = exc.status_code
+        error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        response = error_response(error)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s raised", request.method, request.url.path, exc_info=exc)
+        return error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
+              responses={200: {"content": _STREAM_DOC, "description": "a completion, or SSE chunks when "
+                                                                       "`stream` is true"}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        """OpenAI's Completions API; `prompt` may be a batch (one choice per prompt, same batch)."""
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
+              responses={200: {"content": _STREAM_DOC, "description": "a chat completion, or SSE chunks "
+                                                                       "when `stream` is true"}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        """OpenAI's Chat Completions API, with the model's own chat template."""
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"], responses={401: _ERRORS[401]})
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created,
+                                         max_model_len=async_engine.engine.max_model_len)])
+
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
+    async def health() -> Any:
+        if not async_engine.is_accepting:
+            return error_response(EngineDeadError("the server is shutting down"))
+        return HealthResponse()
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _invalid_request(exc: RequestValidationError) -> InvalidRequest:
+    """Pydantic's first complaint -> a 400 naming the field (`messages.0.role`), as OpenAI does."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequest("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        return InvalidRequest(f"the request body is not valid JSON: {reason}".rstrip(": "))
+    path: list[str] = []
+    for part in first.get("loc", ())[1:] if first.get("loc", ("",))[0] == "body" else first.get("loc", ()):
+        if isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS):
+            break  # a union member's tag, such as 'list[int]', not a field
+        path.append(str(part))
+    param = ".".join(path) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing" and param is None:
+        message = "the request body is missing"
+    elif param is None:
+        message = f"the request body must be a JSON object sent as 'Content-Type: application/json' ({message})"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return InvalidRequest(f"{param}: {message}{more}" if param else f"{message}{more}", param=param)

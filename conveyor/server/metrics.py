@@ -1,0 +1,183 @@
+"""Prometheus metrics of one server: StepStats and finished-request timings -> collectors.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `conveyor:time_to_first_token_seconds`),
+so existing dashboards work after a prefix change. Each server owns its own `CollectorRegistry`,
+so several servers in one process (tests) never clash. `observe` is the AsyncEngine's step
+observer and runs on the engine thread; it also writes the one log line per finished request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from conveyor.engine.engine import LLMEngine, RequestOutput
+from conveyor.engine.stats import StepStats
+
+logger = logging.getLogger(__name__)
+
+# vLLM's buckets, with finer low ends: a small model on a CPU steps in milliseconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+METRIC_NAMES = (
+    "conveyor:time_to_first_token_seconds",
+    "conveyor:inter_token_latency_seconds",
+    "conveyor:request_queue_time_seconds",
+    "conveyor:e2e_request_latency_seconds",
+    "conveyor:num_requests_running",
+    "conveyor:num_requests_waiting",
+    "conveyor:kv_cache_usage_perc",
+    "conveyor:num_preemptions_total",
+    "conveyor:prompt_tokens_total",
+    "conveyor:generation_tokens_total",
+    "conveyor:prefix_cache_queries_total",
+    "conveyor:prefix_cache_hits_total",
+    "conveyor:request_success_total",
+    "conveyor:prefill_throughput_tokens_per_second",
+    "conveyor:decode_throughput_tokens_per_second",
+    "conveyor:avg_sequences_per_step",
+    "conveyor:step_time_seconds",
+)
+
+
+class ServerMetrics:
+    """Collectors for one engine, labelled with the served model name as vLLM labels them.
+
+    `observe` reads the engine only from the engine thread. `refresh_load` runs at scrape time on
+    the event loop and reads three sizes, because an abort on an idle engine runs no step and so
+    never reaches the observer; each read is a single `len()`, atomic under the GIL.
+    """
+
+    def __init__(self, engine: LLMEngine, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        self._last_token_s: dict[str, float] = {}   # request_id -> when its last token came out
+        self._last_step: StepStats | None = None
+        r = self.registry
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = histogram("conveyor:time_to_first_token_seconds",
+                              "Time from arrival to the first output token.", _TTFT_BUCKETS)
+        self.itl = histogram("conveyor:inter_token_latency_seconds",
+                             "Time between successive output tokens of a request.", _ITL_BUCKETS)
+        self.queue_time = histogram("conveyor:request_queue_time_seconds",
+                                    "Time from arrival to first being scheduled.", _REQUEST_BUCKETS)
+        self.e2e = histogram("conveyor:e2e_request_latency_seconds",
+                             "Time from arrival to the last output token, of finished requests.", _REQUEST_BUCKETS)
+        self.step_time = histogram("conveyor:step_time_seconds", "Wall time of one engine step.", _STEP_BUCKETS)
+        self.num_running = gauge("conveyor:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("conveyor:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("conveyor:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.prefill_tps = gauge("conveyor:prefill_throughput_tokens_per_second",
+                                 "Prompt tokens per second over prefill-only steps, since start.")
+        self.decode_tps = gauge("conveyor:decode_throughput_tokens_per_second",
+                                "Decoded tokens per second over steps that decode, since start.")
+        self.avg_rows = gauge("conveyor:avg_sequences_per_step", "Average sequences per engine step, since start.")
+        self.preemptions = counter("conveyor:num_preemptions_total", "Requests preempted to free KV blocks.")
+        self.prompt_tokens = counter("conveyor:prompt_tokens_total", "Prompt tokens of requests that finished.")
+        self.generation_tokens = counter("conveyor:generation_tokens_total", "Output tokens generated.")
+        self.prefix_queries = counter("conveyor:prefix_cache_queries_total",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("conveyor:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("conveyor:request_success_total", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+
+    # ------------------------------------------------------------ engine thread
+
+    def observe(self, step: StepStats | None, outputs: list[RequestOutput]) -> None:
+        """The AsyncEngine's observer: called on the engine thread after every step."""
+        if step is not None and step is not self._last_step:  # an empty plan leaves last_step as it was
+            self._last_step = step
+            self._observe_step(step)
+        now = self.clock()
+        for output in outputs:
+            request_id = output.request_id
+            if output.new_token_ids:
+                self.generation_tokens.inc(len(output.new_token_ids))
+                last_s = self._last_token_s.get(request_id)
+                if last_s is not None:
+                    self.itl.observe(now - last_s)
+                self._last_token_s[request_id] = now
+            if output.finished:
+                self._last_token_s.pop(request_id, None)
+                self._observe_finished(output)
+        # Aborted requests never send a finished output; drop their entries once they outnumber the live ones.
+        if step is not None and len(self._last_token_s) > step.num_running + step.num_waiting:
+            live = self.engine.scheduler.requests
+            for request_id in [r for r in self._last_token_s if r not in live]:
+                del self._last_token_s[request_id]
+
+    def _observe_step(self, step: StepStats) -> None:
+        stats = self.engine.stats
+        self.step_time.observe(step.step_time_s)
+        self.num_running.set(step.num_running)
+        self.num_waiting.set(step.num_waiting)
+        self.kv_usage.set(step.kv_usage)
+        if step.num_preemptions:
+            self.preemptions.inc(step.num_preemptions)
+        if step.num_prefix_query_tokens:
+            self.prefix_queries.inc(step.num_prefix_query_tokens)
+        if step.num_prefix_hit_tokens:
+            self.prefix_hits.inc(step.num_prefix_hit_tokens)
+        self.prefill_tps.set(stats.prefill_tokens_per_s)
+        self.decode_tps.set(stats.decode_tokens_per_s)
+        self.avg_rows.set(stats.avg_rows_per_step)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self._success.labels(self._model_name, output.finish_reason or "unknown").inc()
+        metrics = output.metrics
+        if metrics is None:
+            return
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        if metrics.queue_time_s is not None:
+            self.queue_time.observe(metrics.queue_time_s)
+        if metrics.ttft_s is not None:
+            self.ttft.observe(metrics.ttft_s)
+        if metrics.e2e_s is not None:
+            self.e2e.observe(metrics.e2e_s)
+        decode_s = (metrics.finished_s - metrics.first_token_s
+                    if metrics.finished_s is not None and metrics.first_token_s is not None else 0.0)
+        rate = (metrics.num_output_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        level = logging.WARNING if output.error else logging.INFO
+        logger.log(level, "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
+                   "queue %s, TTFT %s, e2e %s, decode %.1f tokens/s, %d preemptions%s",
+                   output.request_id, output.finish_reason, metrics.num_prompt_tokens, metrics.num_cached_tokens,
+                   metrics.num_output_tokens, _seconds(metrics.queue_time_s), _seconds(metrics.ttft_s),
+                   _seconds(metrics.e2e_s), rate, metrics.num_preemptions,
+                   f"; error: {output.error}" if output.error else "")
+
+    # ------------------------------------------------------------ event loop
+
+    def refresh_load(self) -> None:
+        scheduler = self.engine.scheduler
+        self.num_running.set(scheduler.num_running)
+        self.num_waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(self.engine.blocks.usage)
+
+    def render(self) -> bytes:
+        self.refresh_load()
+        return generate_latest(self.registry)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"

@@ -1,0 +1,302 @@
+"""Pydantic schemas of the OpenAI-compatible API: requests, responses, stream chunks and the error body.
+
+Requests check types only; value ranges are checked once, by `SamplingParams`, which names the
+field in its `InvalidRequest`. Unknown request fields are ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+
+from conveyor.errors import InvalidRequest
+from conveyor.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by both endpoints, named as OpenAI and vLLM name them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the served model name; may be omitted")
+    max_tokens: int | None = None
+    temperature: float | None = Field(1.0, description="0 = greedy")
+    top_p: float | None = 1.0
+    top_k: int | None = Field(0, description="0 or -1 = off")
+    min_p: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, description="lower runs first; FCFS among equals")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="only 1 is supported")
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Map to SamplingParams; a null field means the default. Raises InvalidRequest naming the field."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=_default(self.top_k, 0),
+            min_p=_default(self.min_p, 0.0),
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+def _default(value: float | int | None, default: float | int) -> float | int:
+    return default if value is None else value
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
+    max_tokens: int | None = Field(16, description="default 16, as OpenAI")
+    logprobs: int | None = Field(None, description="return the sampled token's logprob and the top N (0..20)")
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch form: one entry per choice."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return prompt  # type: ignore[return-value]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str | None]:
+        """Text parts are joined with newlines, as vLLM does, since templates expect a string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, str | None] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, description="default: up to the model length")
+    max_completion_tokens: int | None = Field(None, description="takes precedence over max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except InvalidRequest as exc:
+            if exc.param == "logprobs":  # chat spells the count top_logprobs
+                exc.param = "top_logprobs"
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+            raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion; the usage-only last chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    """Only the fields a chunk carries: the role in the first chunk, then content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conveyor"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"

@@ -1,0 +1,253 @@
+"""OpenAI requests -> engine requests, and engine deltas -> OpenAI responses and stream chunks.
+
+Everything that can be refused is refused before any engine request starts (model name, fields,
+context length, queue capacity), so those errors get their own status even when streaming. After
+that, an error reaches a streaming client as an error event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.errors import ConveyorError, ModelNotFound
+from conveyor.runtime.sampler import TokenLogprobs
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from conveyor.server.streaming import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    PromptGroup,
+    error_event,
+    sse,
+    until_disconnected,
+)
+
+logger = logging.getLogger(__name__)
+
+_THREAD_TOKENIZE_CHARS = 64 * 1024   # longer texts are tokenized off the event loop
+CLIENT_CLOSED_REQUEST = 499          # nginx's status for a client that left; nobody reads it
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One prompt's output so far."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_chars: int = 0               # text emitted so far; completions' logprob text offsets start here
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        # Token strings for logprobs; an LRU since the same tokens come back all the time.
+        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    # ------------------------------------------------------------ shared
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                                param="model")
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
+               priority: int) -> PromptGroup:
+        """Refuse now whatever can be refused, then start every prompt in the running batch."""
+        for token_ids in prompts:
+            self.engine.validate(token_ids, params)
+        self.engine.check_capacity(len(prompts))
+        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority)
+
+    async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
+        async def collect() -> list[_Choice]:
+            choices = [_Choice() for _ in range(group.num_prompts)]
+            async for index, output in group.outputs():
+                choice = choices[index]
+                choice.text.append(output.new_text)
+                choice.num_tokens += len(output.new_token_ids)
+                choice.logprobs.extend(output.new_logprobs)
+                if output.finished:
+                    choice.finish_reason = output.finish_reason
+            return choices
+
+        try:
+            return await until_disconnected(request, collect())
+        finally:
+            group.close()
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo:
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt_tokens + num_completion_tokens)
+
+    @staticmethod
+    def _disconnected(group: PromptGroup) -> Response:
+        logger.info("the client of %s disconnected", group.group_id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    # ------------------------------------------------------------ /v1/completions
+
+    async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+        self.check_model(body.model)
+        params = body.sampling_params()
+        prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        group = self._start("cmpl", prompts, params, body.priority)
+        created = int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
+        try:
+            choices = await self._collect(request, group)
+        except ClientDisconnected:
+            return self._disconnected(group)
+        return CompletionResponse(
+            id=group.group_id, created=created, model=self.model_name,
+            choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                                      logprobs=self._completion_logprobs(c.logprobs, 0)
+                                      if params.logprobs is not None else None)
+                     for i, c in enumerate(choices)],
+            usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
+        )
+
+    async def _completion_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
+                                 body: CompletionRequest) -> AsyncIterator[str]:
+        choices = [_Choice() for _ in range(group.num_prompts)]
+        want_logprobs = body.logprobs is not None
+        try:
+            async for index, output in group.outputs():
+                choice = choices[index]
+                choice.num_tokens += len(output.new_token_ids)
+                if not (output.new_text or output.finished or (want_logprobs and output.new_logprobs)):
+                    continue  # text held back (a possible stop string, a split character)
+                logprobs = (self._completion_logprobs(output.new_logprobs, choice.num_chars)
+                            if want_logprobs else None)
+                choice.num_chars += len(output.new_text)
+                chunk = CompletionChunk(
+                    id=group.group_id, created=created, model=self.model_name,
+                    choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
+                                              finish_reason=output.finish_reason if output.finished else None)])
+                yield sse(chunk.model_dump_json())
+        except ConveyorError as exc:
+            yield error_event(exc)
+            yield DONE_EVENT
+            return
+        if body.include_usage:
+            usage = self._usage(prompts, sum(c.num_tokens for c in choices))
+            yield sse(CompletionChunk(id=group.group_id, created=created, model=self.model_name, choices=[],
+                                      usage=usage).model_dump_json())
+        yield DONE_EVENT
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for entry in logprobs:
+            token = self.token_text(entry.token_id)
+            top = {self.token_text(token_id): logprob for token_id, logprob in entry.top}
+            top.setdefault(token, entry.logprob)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+    # ------------------------------------------------------------ /v1/chat/completions
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+        self.check_model(body.model)
+        params = body.sampling_params()
+        text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
+                                                  add_generation_prompt=body.add_generation_prompt)
+        prompts = [await self._encode(text, add_special_tokens=False)]  # the template has the BOS
+        group = self._start("chatcmpl", prompts, params, body.priority)
+        created = int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._chat_events(group, prompts, created, body), group)
+        try:
+            choices = await self._collect(request, group)
+        except ClientDisconnected:
+            return self._disconnected(group)
+        return ChatCompletionResponse(
+            id=group.group_id, created=created, model=self.model_name,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
+                                finish_reason=c.finish_reason,
+                                logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None)
+                     for i, c in enumerate(choices)],
+            usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
+        )
+
+    async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
+                           body: ChatCompletionRequest) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=group.group_id, created=created, model=self.model_name,
+                                           choices=choices, usage=usage).model_dump_json())
+
+        # OpenAI's first chunk names the role, before any content exists.
+        yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                     for i in range(group.num_prompts)])
+        num_tokens = 0
+        try:
+            async for index, output in group.outputs():
+                num_tokens += len(output.new_token_ids)
+                if not (output.new_text or output.finished or (body.logprobs and output.new_logprobs)):
+                    continue
+                yield chunk([ChatStreamChoice(
+                    index=index, delta=ChatDelta(content=output.new_text),
+                    logprobs=self._chat_logprobs(output.new_logprobs) if body.logprobs else None,
+                    finish_reason=output.finish_reason if output.finished else None)])
+        except ConveyorError as exc:
+            yield error_event(exc)
+            yield DONE_EVENT
+            return
+        if body.include_usage:
+            yield chunk([], self._usage(prompts, num_tokens))
+        yield DONE_EVENT
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            token = self.token_text(token_id)
+            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+        content = []
+        for entry in logprobs:
+            sampled = top(entry.token_id, entry.logprob)
+            content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
+                                            top_logprobs=[top(i, lp) for i, lp in entry.top]))
+        return ChatLogprobs(content=content)

@@ -1,0 +1,149 @@
+"""One HTTP request's engine requests, and their end when the client goes away.
+
+`PromptGroup` runs every prompt of a request as its own `AsyncEngine.generate` call (so a batch
+prompt joins the same continuous batch) and merges their outputs, tagged with the choice index,
+into one stream. Closing the group cancels its tasks; each task's generator then aborts its engine
+request, which the engine thread applies before its next step. `until_disconnected` and
+`EventStreamResponse` close the group when the client disconnects, with or without streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.engine import RequestOutput
+from conveyor.errors import ConveyorError
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before its response was ready."""
+
+
+class PromptGroup:
+    """The engine requests of one HTTP request: prompt i has request id `{group_id}-{i}`."""
+
+    def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
+                 params: SamplingParams, priority: int = 0) -> None:
+        self.group_id = group_id
+        self.num_prompts = len(prompt_token_ids)
+        self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
+        self._tasks = [
+            asyncio.create_task(self._pump(engine, index, token_ids, params, priority),
+                                name=f"{group_id}-{index}")
+            for index, token_ids in enumerate(prompt_token_ids)
+        ]
+
+    async def _pump(self, engine: AsyncEngine, index: int, token_ids: list[int], params: SamplingParams,
+                    priority: int) -> None:
+        request_id = f"{self.group_id}-{index}"
+        try:
+            async with contextlib.aclosing(engine.generate(token_ids, params, request_id=request_id,
+                                                           priority=priority)) as outputs:
+                async for output in outputs:
+                    self._outputs.put_nowait((index, output))
+        except ConveyorError as exc:
+            self._outputs.put_nowait((index, exc))
+        except Exception as exc:  # a bug here must reach the client as an error, not leave it waiting
+            logger.exception("request %s failed outside the engine", request_id)
+            self._outputs.put_nowait((index, ConveyorError(f"internal error: {exc}")))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) in arrival order until every prompt finished.
+
+        Raises the first error: a ConveyorError from the engine, or a failed step's error (500).
+        """
+        num_open = self.num_prompts
+        while num_open:
+            index, item = await self._outputs.get()
+            if isinstance(item, ConveyorError):
+                raise item
+            if item.error is not None:
+                raise ConveyorError(item.error)
+            if item.finished:
+                num_open -= 1
+                if item.finish_reason not in ("stop", "length"):
+                    raise ConveyorError(f"request {item.request_id} ended with {item.finish_reason}")
+            yield index, item
+
+    def close(self) -> None:
+        """Abort whatever has not finished: each cancelled task's generator sends its abort."""
+        unfinished = [task for task in self._tasks if not task.done()]
+        if unfinished:
+            logger.info("aborting %d of the %d requests of %s: the response ended before they finished",
+                        len(unfinished), self.num_prompts, self.group_id)
+        for task in unfinished:
+            task.cancel()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, or raise ClientDisconnected (cancelling it) as soon as the client hangs up."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.done() and not work_task.cancelled():
+        return work_task.result()
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the server's next message is the disconnect, whenever it comes.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.01)  # an unexpected message: do not spin
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that close their PromptGroup however the response ends.
+
+    Starlette cancels the body when the client disconnects, but a body suspended at `yield` is
+    never resumed or closed, so the group is closed here rather than in the body's `finally`.
+    """
+
+    def __init__(self, content: AsyncIterator[str], group: PromptGroup) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._group.close()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def error_payload(exc: ConveyorError) -> str:
+    return ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param,
+                                         code=exc.code)).model_dump_json()
+
+
+def error_event(exc: ConveyorError) -> str:
+    """A mid-stream error, in the shape OpenAI's clients raise as an APIError."""
+    return sse(error_payload(exc))
+
