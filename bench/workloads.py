@@ -22,3 +22,25 @@ def offline_workload(num_requests: int = 64, min_prompt: int = 100, max_prompt: 
                        output_tokens)
         for _ in range(num_requests)
     ]
+
+
+def arrival_times(num_requests: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process at `rate` requests/s,
+    or all at t=0 when rate is None or infinite (a fixed-concurrency run decides its own pacing)."""
+    if rate is None or rate == float("inf"):
+        return [0.0] * num_requests
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate!r}")
+    rng = random.Random(seed + 1)   # not the prompt stream: changing the rate keeps the prompts
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def warmup_workload(num_requests: int = 2, output_tokens: int = 4, vocab_low: int = 100,
+                    vocab_high: int = 40000) -> list[OfflineRequest]:
+    """Short requests from another seed, so warming a system up cannot prime a prefix cache for the run."""
+    return offline_workload(num_requests, min_prompt=16, max_prompt=32, output_tokens=output_tokens,
+                            vocab_low=vocab_low, vocab_high=vocab_high, seed=10_007)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 # Reassociation lets gcc vectorise the dot products; finite-math stays off because the kernel uses -inf.
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fno-math-errno"]
 
 
@@ -49,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
     target = _build_dir() / f"paged_decode-{digest}.so"
     if not target.exists():
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lpthread", "-lm"],
+        result = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the decode attention kernel failed; using the torch path:\n%s",

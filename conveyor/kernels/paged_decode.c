@@ -11,7 +11,6 @@
  * out:      [B, H, D]            float32
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +25,6 @@ typedef struct {
     int64_t max_blocks, B, H, KV, D, bs, window;
     float scale;
     float *out;
-    int64_t first, step;   /* this worker takes items first, first + step, ... */
 } job_t;
 
 static void run_item(const job_t *j, int64_t item) {
@@ -86,37 +84,19 @@ static void run_item(const job_t *j, int64_t item) {
     }
 }
 
-static void *worker(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    const int64_t items = j->B * j->KV;
-    for (int64_t item = j->first; item < items; item += j->step) run_item(j, item);
-    return NULL;
-}
-
-/* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers. */
+/* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers.
+ * Threads come from OpenMP: loaded after torch, this library binds to torch's own libgomp, so the
+ * kernel runs on torch's thread pool instead of competing with its spinning workers. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *tables, int64_t max_blocks, const int64_t *ctx_lens,
                      int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs, int64_t window,
                      float scale, float *out, int64_t num_threads) {
     if (H % KV != 0 || H / KV > MAX_G || D > MAX_D || bs > MAX_BS) return -1;
+    const job_t job = {q, k_cache, v_cache, tables, ctx_lens, max_blocks, B, H, KV, D, bs, window, scale, out};
     const int64_t items = B * KV;
     if (num_threads > items) num_threads = items;
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > 64) num_threads = 64;
-    job_t jobs[64];
-    pthread_t threads[64];
-    for (int64_t i = 0; i < num_threads; i++) {
-        jobs[i] = (job_t){q, k_cache, v_cache, tables, ctx_lens, max_blocks, B, H, KV, D, bs, window,
-                          scale, out, i, num_threads};
-    }
-    int64_t spawned = 0;
-    for (int64_t i = 1; i < num_threads; i++) {
-        if (pthread_create(&threads[i], NULL, worker, &jobs[i]) != 0) break;
-        spawned = i;
-    }
-    /* Items of workers that could not be spawned are run here. */
-    for (int64_t i = spawned + 1; i < num_threads; i++) worker(&jobs[i]);
-    worker(&jobs[0]);
-    for (int64_t i = 1; i <= spawned; i++) pthread_join(threads[i], NULL);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t item = 0; item < items; item++) run_item(&job, item);
     return 0;
 }

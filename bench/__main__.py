@@ -1,0 +1,87 @@
+"""python -m bench {run,serve,limits}: see BENCHMARKS.md.
+
+    python -m bench run                                   # every system, the full default workload
+    python -m bench run --systems conveyor,llama-server-f32 --num-requests 8 --output-tokens 32 --concurrency 8
+    python -m bench serve --url http://127.0.0.1:8000 --rate 2 --num-requests 64
+    python -m bench limits --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench import limits, report, run
+from bench.client import run_serving
+from bench.metrics import samples, summarize
+from bench.workloads import offline_workload
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The serving client alone, against any OpenAI-compatible server that is already running."""
+    requests = offline_workload(args.num_requests, args.min_prompt, args.max_prompt, args.output_tokens,
+                                seed=args.seed)
+    rate = None if args.rate in (None, "inf") else float(args.rate)
+    result = run_serving(args.url, requests, model=args.model_name, rate=rate, max_concurrency=args.concurrency,
+                         seed=args.seed, logprobs=args.logprobs)
+    fig = summarize(result, args.goodput_ttft_ms / 1000, args.goodput_tpot_ms / 1000)
+    key = f"{args.label}"
+    print(report.table({key: fig}, None))
+    gp = fig["goodput"]
+    print(f"completed {fig['completed']}/{fig['num_requests']}, output tokens {fig['output_tokens']} "
+          f"(requested {fig['output_tokens_requested']}, counted from chunks {fig['chunk_tokens']}), "
+          f"goodput {gp['requests_per_s']:.2f} req/s ({gp['good_requests']} within TTFT {gp['ttft_limit_ms']:.0f} ms, "
+          f"TPOT {gp['tpot_limit_ms']:.0f} ms)")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out_dir / f"serve-{stamp}.json"
+    report.write_json(out, {"command": "python -m bench " + " ".join(sys.argv[1:]), "machine": report.machine(),
+                            "versions": report.versions(None), "url": args.url, "results": {key: fig},
+                            "samples": {key: samples(result)}})
+    print(f"JSON: {out}")
+
+
+def limits_cmd(args: argparse.Namespace) -> None:
+    lim = limits.measure(args.model, args.threads, run.int_list(args.batch_sizes))
+    document = {"limits": lim, "results": {}, "base": None, "single_request_decode": {"conveyor": None},
+                "goals": []}
+    run.print_summary(document, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="conveyor and its peers on one workload, in one run")
+    run.add_arguments(p_run)
+    p_serve = sub.add_parser("serve", help="the serving client against a running OpenAI-compatible server")
+    p_serve.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p_serve.add_argument("--model-name", default=None, help="the `model` field to send (default: none)")
+    p_serve.add_argument("--label", default="server")
+    p_serve.add_argument("--rate", default=None, help="Poisson arrivals in req/s (default: all at once)")
+    p_serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    p_serve.add_argument("--num-requests", type=int, default=64)
+    p_serve.add_argument("--output-tokens", type=int, default=128)
+    p_serve.add_argument("--min-prompt", type=int, default=100)
+    p_serve.add_argument("--max-prompt", type=int, default=500)
+    p_serve.add_argument("--seed", type=int, default=0)
+    p_serve.add_argument("--logprobs", action="store_true")
+    p_serve.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
+    p_serve.add_argument("--goodput-tpot-ms", type=float, default=250.0)
+    p_serve.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p_lim = sub.add_parser("limits", help="matmul rate, bandwidth and decode-step floors of this machine")
+    p_lim.add_argument("--model", default=None)
+    p_lim.add_argument("--threads", type=int, default=2)
+    p_lim.add_argument("--batch-sizes", default="1,16,32,64")
+    args = parser.parse_args()
+    if args.command == "run":
+        run.run(args)
+    elif args.command == "serve":
+        serve(args)
+    else:
+        limits_cmd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The printed table, the issue's goals, the machine/version record and the plots of one run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- machine and versions
+
+
+def machine() -> dict:
+    info: dict = {"platform": platform.platform(), "python": platform.python_version(),
+                  "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0))}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+        info["cpu_model"] = models[0] if models else platform.processor()
+        fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:30] if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        info["cpu_cores_per_socket"] = int(fields.get("cpu cores", 0)) or None
+        info["cpu_mhz"] = float(fields.get("cpu MHz", 0)) or None
+        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+        info["cpu_flags"] = sorted(f for f in flags.split() if f.startswith(("avx", "fma", "amx")))
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        info["mem_total_gb"] = int(meminfo[0].split()[1]) / 1e6
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        info["cpu_model"] = platform.processor()
+    return info
+
+
+def versions(llama_commit: str | None) -> dict:
+    out: dict = {}
+    for dist in ("conveyor", "torch", "transformers", "numpy", "httpx"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        out["conveyor_git"] = head + ("-dirty" if dirty else "") if head else None
+    except (OSError, subprocess.TimeoutExpired):
+        out["conveyor_git"] = None
+    out["llama.cpp"] = llama_commit
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def table(results: dict[str, dict], base_key: str | None) -> str:
+    """One row per run; the last column is conveyor's output tokens/s divided by the row's."""
+    base = results.get(base_key) if base_key else None
+    header = (f"{'system':34s} {'out tok/s':>10s} {'req/s':>7s} {'tot tok/s':>10s} {'TTFT p50':>9s} "
+              f"{'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'TPOT':>7s} {'conveyor÷':>9s}")
+    lines = [header, "-" * len(header)]
+    for key, fig in results.items():
+        if fig.get("skipped"):
+            lines.append(f"{key:34s} skipped: {fig['skipped']}")
+            continue
+        ttft, itl, tpot = fig.get("ttft_ms", {}), fig.get("itl_ms", {}), fig.get("tpot_ms", {})
+        ratio = fig.get("ratio_conveyor_to_this")
+        lines.append(
+            f"{key:34s} {_fmt(fig.get('output_tokens_per_s')):>10s} {_fmt(fig.get('requests_per_s'), 2):>7s} "
+            f"{_fmt(fig.get('total_tokens_per_s')):>10s} {_fmt(ttft.get('p50'), 0):>9s} {_fmt(ttft.get('p99'), 0):>9s} "
+            f"{_fmt(itl.get('p50'), 0):>8s} {_fmt(itl.get('p99'), 0):>8s} {_fmt(tpot.get('mean'), 0):>7s} "
+            f"{_fmt(ratio, 2) + 'x' if ratio else '-':>9s}")
+    lines.append("latencies in ms; TPOT is the mean; conveyor÷ = conveyor's output tokens/s / the row's "
+                 f"(base: {base_key}; none for Poisson rows, whose throughput the arrival rate sets)")
+    return "\n".join(lines)
+
+
+def add_ratios(results: dict[str, dict], base_key: str | None) -> None:
+    base = results.get(base_key) if base_key else None
+    for fig in results.values():
+        if base and fig.get("output_tokens_per_s") and not fig.get("rate_req_s"):   # Poisson: paced by arrivals
+            fig["ratio_conveyor_to_this"] = base["output_tokens_per_s"] / fig["output_tokens_per_s"]
+
+
+def best(results: dict[str, dict], prefix: str) -> tuple[str, dict] | None:
+    runs = [(k, v) for k, v in results.items() if k.startswith(prefix) and v.get("output_tokens_per_s")
+            and "/poisson" not in k]
+    return max(runs, key=lambda kv: kv[1]["output_tokens_per_s"]) if runs else None
+
+
+def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: dict | None,
+          poisson_key: str | None) -> list[dict]:
+    """Where conveyor stands on each target of the issue; a target whose peer did not run is 'not measured'."""
+    base = results.get(base_key, {})
+    ours = base.get("output_tokens_per_s")
+    out = []
+
+    def ratio_goal(name: str, prefix: str, target: float) -> None:
+        peer = best(results, prefix)
+        if ours and peer:
+            value = ours / peer[1]["output_tokens_per_s"]
+            out.append({"goal": name, "target": f">= {target}x", "value": f"{value:.2f}x ({peer[0]})",
+                        "met": value >= target})
+        else:
+            out.append({"goal": name, "target": f">= {target}x", "value": "not measured", "met": None})
+
+    ratio_goal("output tok/s vs best llama-server F32", "llama-server-f32/", 3.0)
+    ratio_goal("output tok/s vs best transformers static batch", "hf-static/", 2.0)
+    if ours and floor:
+        pct = 100 * floor["total_s"] / base["elapsed_s"]
+        out.append({"goal": "share of the compute floor (workload a)", "target": ">= 65%",
+                    "value": f"{pct:.0f}% (floor {floor['total_s']:.1f} s, measured {base['elapsed_s']:.1f} s)",
+                    "met": pct >= 65})
+    llama_p1 = results.get("llama-server-f32/p1")
+    if single and llama_p1 and llama_p1.get("tpot_ms", {}).get("mean"):
+        theirs = 1000 / llama_p1["tpot_ms"]["mean"]
+        out.append({"goal": "single-request decode vs llama-server --parallel 1 F32", "target": ">= 1.0x",
+                    "value": f"{single['decode_tokens_per_s']:.1f} vs {theirs:.1f} tok/s "
+                             f"({single['decode_tokens_per_s'] / theirs:.2f}x)",
+                    "met": single["decode_tokens_per_s"] >= theirs})
+    else:
+        out.append({"goal": "single-request decode vs llama-server --parallel 1 F32", "target": ">= 1.0x",
+                    "value": "not measured", "met": None})
+    poisson = results.get(poisson_key) if poisson_key else None
+    if poisson and not poisson.get("skipped"):
+        at = f" at {poisson['rate_req_s']:.2f} req/s"
+        out.append({"goal": "Poisson at 80% of peak: p99 TTFT", "target": "< 2000 ms",
+                    "value": f"{poisson['ttft_ms']['p99']:.0f} ms{at}", "met": poisson["ttft_ms"]["p99"] < 2000})
+        out.append({"goal": "Poisson at 80% of peak: p99 ITL", "target": "< 250 ms",
+                    "value": f"{poisson['itl_ms']['p99']:.0f} ms{at}", "met": poisson["itl_ms"]["p99"] < 250})
+    return out
+
+
+def goals_text(rows: list[dict]) -> str:
+    marks = {True: "met", False: "NOT met", None: "-"}
+    return "\n".join(f"  {r['goal']:58s} {r['target']:>10s}  {r['value']:40s} {marks[r['met']]}" for r in rows)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> list[str] | str:
+    """PNG files: throughput against concurrency per system; TTFT and ITL distributions (CDFs)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: pip install -e '.[bench]'"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    families: dict[str, list[tuple[int, float]]] = {}
+    for key, res in results.items():
+        if (res.get("skipped") or not res.get("output_tokens_per_s") or res.get("concurrency") is None
+                or res.get("rate_req_s")):   # a Poisson run's throughput is its arrival rate's
+            continue
+        families.setdefault(key.split("/")[0], []).append((res["concurrency"], res["output_tokens_per_s"]))
+    for name, points in sorted(families.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences (server slots, batch size, max_num_seqs)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput on the offline workload")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    path = out_dir / "throughput_vs_concurrency.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    files.append(str(path))
+    for metric, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency")):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for key, sample in samples.items():
+            values = sorted(sample.get(metric, []))
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post",
+                        label=key)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{metric.removesuffix('_ms').upper()} (ms)")
+        ax.set_ylabel("fraction of samples ≤ x")
+        ax.set_title(f"{title}: cumulative distribution")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out_dir / f"{metric.removesuffix('_ms')}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def clean(value):  # noqa: ANN001, ANN202 - JSON has no NaN or int keys
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    path.write_text(json.dumps(clean(document), indent=1))

@@ -1,0 +1,391 @@
+"""`python -m bench run`: conveyor against its peers on one seeded workload, in one run.
+
+Every system gets the same token-id prompts (uniform lengths, exactly `--output-tokens` out with
+ignore_eos, all submitted at once) and the same thread count; systems run one after another, never
+at the same time. Servers are started on a free loopback port and stopped after their run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench import conveyor_offline, hf_peers, limits, report, servers
+from bench.client import run_serving
+from bench.metrics import samples, summarize
+from bench.workloads import OfflineRequest, offline_workload, warmup_workload
+
+FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q4_1", "hf-sequential", "hf-static",
+            "hf-generate-batch")
+ALIASES = {"all": FAMILIES, "hf": ("hf-sequential", "hf-static", "hf-generate-batch"),
+           "llama-server": ("llama-server-f32", "llama-server-q4_1")}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default="all",
+                   help=f"comma list of {', '.join(FAMILIES)}; or all, hf, llama-server (default: all)")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=100)
+    p.add_argument("--max-prompt", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
+    p.add_argument("--concurrency", default="1,16,32,64",
+                   help="llama-server --parallel values; every request is sent at once (default: 1,16,32,64)")
+    p.add_argument("--conveyor-seqs", default=None,
+                   help="conveyor serve --max-num-seqs values, every request sent at once (default: the "
+                        "--concurrency values above 1; single-request decode is measured by --single-requests)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="conveyor offline (default: largest --conveyor-seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-memory", default="4GiB")
+    p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
+    p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
+    p.add_argument("--poisson-rate", default="auto",
+                   help="req/s of the Poisson serving run; auto = 80%% of conveyor-server's peak; off = none")
+    p.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--goodput-tpot-ms", type=float, default=250.0)
+    p.add_argument("--single-requests", type=int, default=4,
+                   help="requests run one at a time for conveyor's single-request decode rate (0 = skip)")
+    p.add_argument("--logprobs", action="store_true", help="ask servers for logprobs to count streamed tokens")
+    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR, help="where build_llama_cpp.sh built")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--no-limits", action="store_true", help="skip measuring the physical limit")
+    p.add_argument("--no-plots", action="store_true")
+
+
+class Runner:
+    """Runs the chosen systems in order, collecting figures keyed `family/config`."""
+
+    def __init__(self, args: argparse.Namespace, stamp: str) -> None:
+        self.args = args
+        vocab_high = min(40_000, limits.model_arch(args.model).vocab_size)   # a small test model has a small vocab
+        self.requests = offline_workload(args.num_requests, args.min_prompt, args.max_prompt, args.output_tokens,
+                                         vocab_low=min(100, vocab_high // 4), vocab_high=vocab_high, seed=args.seed)
+        self.warmup = warmup_workload(vocab_low=min(100, vocab_high // 4), vocab_high=vocab_high)
+        self.concurrency = int_list(args.concurrency)
+        self.conveyor_seqs = (int_list(args.conveyor_seqs) if args.conveyor_seqs
+                              else [c for c in self.concurrency if c > 1] or self.concurrency)
+        self.max_num_seqs = args.max_num_seqs or max(self.conveyor_seqs)
+        self.results: dict[str, dict] = {}
+        self.samples: dict[str, dict] = {}
+        self.log_dir = args.out_dir / stamp / "logs"
+        self.slo = (args.goodput_ttft_ms / 1000, args.goodput_tpot_ms / 1000)
+        self.single: dict | None = None
+        self.conveyor_steps: dict | None = None
+
+    def attempt(self, key: str, work: Callable[[], object]) -> None:
+        """Run one system; a failure (a server that does not start, a crash) is recorded and the run goes on."""
+        try:
+            work()
+        except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+            self.skip(key, f"failed: {type(exc).__name__}: {str(exc)[:1500]}")
+
+    def skip(self, key: str, reason: str) -> None:
+        self.results[key] = {"skipped": reason}
+        tqdm.write(f"skipping {key}: {reason}")
+
+    def record(self, key: str, fig: dict) -> None:
+        # Our own run adds about --threads to it; more than the CPU count means another process competed.
+        fig["load_average_1m_after"] = os.getloadavg()[0]
+        self.results[key] = fig
+        tqdm.write(f"{key:34s} {fig['output_tokens_per_s']:9.1f} output tok/s  ({fig['output_tokens']} tokens, "
+                   f"{fig.get('elapsed_s', fig.get('duration_s', 0)):.1f} s)")
+
+    def offline_figures(self, fig: dict, concurrency: int) -> dict:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
+        fig.setdefault("output_tokens_requested", sum(r.max_tokens for r in self.requests))
+        fig.update(concurrency=concurrency, kind="offline", num_requests=len(self.requests),
+                   output_tokens_per_s=fig["output_tokens"] / fig["elapsed_s"],
+                   requests_per_s=len(self.requests) / fig["elapsed_s"],
+                   total_tokens_per_s=(fig["output_tokens"] + prompt_tokens) / fig["elapsed_s"])
+        return fig
+
+    def progress(self, desc: str) -> tuple[tqdm, Callable[[], None]]:
+        bar = tqdm(total=len(self.requests), desc=desc, unit="req", leave=False, disable=None)
+        return bar, lambda: bar.update(1)
+
+    def serve(self, key: str, base_url: str, requests: list[OfflineRequest], concurrency: int | None,
+              rate: float | None = None) -> dict:
+        run_serving(base_url, self.warmup, seed=self.args.seed)
+        bar, tick = self.progress(key)
+        with bar:
+            run = run_serving(base_url, requests, rate=rate, seed=self.args.seed, logprobs=self.args.logprobs,
+                              on_done=tick)
+        fig = summarize(run, *self.slo)
+        fig.update(kind="serving", concurrency=concurrency)
+        self.samples[key] = samples(run)
+        self.record(key, fig)
+        return fig
+
+    # ---------------------------------------------------------------- conveyor
+
+    def conveyor(self) -> None:
+        a = self.args
+        max_num_seqs = self.max_num_seqs
+        llm = conveyor_offline.make_llm(a.model, a.threads, max_num_seqs, a.max_num_batched_tokens, a.kv_cache_memory)
+        bar, tick = self.progress("conveyor")
+        with bar:
+            fig = conveyor_offline.run(llm, self.requests, self.warmup, on_done=tick)
+        fig.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+        self.conveyor_steps = fig["decode_steps"]
+        self.record("conveyor", self.offline_figures(fig, max_num_seqs))
+        if a.single_requests > 0:
+            self.single = conveyor_offline.single_stream_decode(llm, self.requests[:a.single_requests])
+            tqdm.write(f"conveyor single-request decode: {self.single['decode_tokens_per_s']:.1f} tok/s "
+                       f"(mean of {self.single['num_requests']} requests)")
+        del llm
+        gc.collect()
+
+    def conveyor_server(self, concurrency: int, rate: float | None = None) -> dict:
+        a = self.args
+        port = servers.free_port()
+        cmd = servers.conveyor_command(port, model=a.model, threads=a.threads, max_num_seqs=concurrency,
+                                       max_num_batched_tokens=a.max_num_batched_tokens,
+                                       kv_cache_memory=a.kv_cache_memory)
+        key = f"conveyor-server/{'poisson' if rate else f'c{concurrency}'}"
+        with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
+            fig = self.serve(key, server.base_url, self.requests, concurrency, rate)
+        fig["command"] = shlex.join(cmd)
+        return fig
+
+    # ---------------------------------------------------------------- llama.cpp
+
+    def llama_ggufs(self) -> tuple[servers.LlamaCpp | None, dict[str, Path | str]]:
+        """The llama.cpp build and the GGUF for each of its families, or the reason a family cannot run."""
+        llama = servers.LlamaCpp.find(self.args.peers_dir)
+        if llama is None:
+            hint = servers.BUILD_HINT if self.args.peers_dir == servers.DEFAULT_PEERS_DIR else \
+                f"{servers.BUILD_HINT} {self.args.peers_dir}"
+            reason = f"llama-server not found under {self.args.peers_dir}: {hint}"
+            return None, {"llama-server-f32": reason, "llama-server-q4_1": reason}
+        if self.args.model is not None:
+            reason = "llama-server runs only on the bundled model (F32 and Q4_1 GGUFs); drop --model"
+            return llama, {"llama-server-f32": reason, "llama-server-q4_1": reason}
+        from conveyor.model.loader import default_model_path
+
+        f32: Path | str = llama.f32_gguf if llama.f32_gguf.is_file() else \
+            f"{llama.f32_gguf} not found: {servers.BUILD_HINT}"
+        return llama, {"llama-server-f32": f32, "llama-server-q4_1": default_model_path()}
+
+    def llama_server(self, llama: servers.LlamaCpp, family: str, gguf: Path, parallel: int,
+                     rate: float | None = None) -> dict:
+        port = servers.free_port()
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
+        cmd = llama.command(port, gguf, parallel=parallel, ctx_per_slot=longest, threads=self.args.threads)
+        key = f"{family}/{'poisson' if rate else f'p{parallel}'}"
+        with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
+            fig = self.serve(key, server.base_url, self.requests, parallel, rate)
+        fig["command"] = shlex.join(cmd)
+        if rate:
+            fig["parallel"] = parallel
+        return fig
+
+    # ---------------------------------------------------------------- transformers
+
+    def transformers(self, families: list[str], model_path: Path) -> None:
+        a = self.args
+        model = hf_peers.load(model_path, a.threads)
+        if "hf-sequential" in families:
+            bar, tick = self.progress("hf-sequential")
+            with bar:
+                fig = hf_peers.run_sequential(model, self.requests, self.warmup, on_done=tick)
+            self.record("hf-sequential", self.offline_figures(fig, 1))
+        if "hf-static" in families:
+            for size in sorted({min(s, len(self.requests)) for s in int_list(a.hf_batch_sizes)}):
+                bar, tick = self.progress(f"hf-static/b{size}")
+                with bar:
+                    fig = hf_peers.run_static(model, self.requests, self.warmup, size, on_done=tick)
+                self.record(f"hf-static/b{size}", self.offline_figures(fig, size))
+        if "hf-generate-batch" in families:
+            for tokens in int_list(a.hf_cb_batch_tokens):
+                key = f"hf-generate-batch/t{tokens}"
+                try:
+                    fig = hf_peers.run_generate_batch(model, self.requests, self.warmup, tokens)
+                except Exception as exc:   # a peer's failure is a figure of the run, not the end of it
+                    self.skip(key, f"generate_batch failed: {type(exc).__name__}: {exc}")
+                    continue
+                self.record(key, self.offline_figures(fig, len(self.requests)))
+        del model
+        gc.collect()
+
+
+def selected_families(text: str) -> list[str]:
+    chosen: list[str] = []
+    for name in (s.strip() for s in text.split(",") if s.strip()):
+        for family in ALIASES.get(name, (name,)):
+            if family not in FAMILIES:
+                raise SystemExit(f"unknown system {family!r}; known: {', '.join(FAMILIES)} (or all, hf, llama-server)")
+            if family not in chosen:
+                chosen.append(family)
+    return chosen
+
+
+def run(args: argparse.Namespace) -> dict:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    families = selected_families(args.systems)
+    runner = Runner(args, stamp)
+    command = "python -m bench " + shlex.join(sys.argv[1:])
+    document: dict = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                      "machine": report.machine(), "families": families}
+    llama, ggufs = runner.llama_ggufs() if any(f.startswith("llama") for f in families) else (None, {})
+    document["versions"] = report.versions(llama.commit() if llama else None)
+    document["workload"] = {
+        "num_requests": args.num_requests, "output_tokens": args.output_tokens, "seed": args.seed,
+        "prompt_lengths": [len(r.prompt_token_ids) for r in runner.requests],
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in runner.requests),
+        "threads": args.threads, "llama_parallel": runner.concurrency, "conveyor_seqs": runner.conveyor_seqs}
+    load = os.getloadavg()[0]
+    if load > document["machine"]["usable_cpus"]:
+        tqdm.write(f"warning: load average {load:.1f} on {document['machine']['usable_cpus']} CPUs before the run; "
+                   "other processes compete for the cores, so figures will be noisy")
+    hf_families = [f for f in families if f.startswith("hf-")]
+    llama_runs = [(f, p) for f in families if f.startswith("llama") for p in runner.concurrency]
+    total = (("conveyor" in families) + len(runner.conveyor_seqs) * ("conveyor-server" in families)
+             + len(llama_runs) + bool(hf_families) + (not args.no_limits)
+             + (args.poisson_rate != "off") * (("conveyor-server" in families) + ("llama-server-f32" in families)))
+    outer = tqdm(total=total, desc="systems", unit="run", disable=None)
+
+    if not args.no_limits:
+        outer.set_postfix_str("physical limit")
+        batch_sizes = sorted({1, *runner.conveyor_seqs, min(args.num_requests, runner.max_num_seqs)})
+        document["limits"] = limits.measure(args.model, args.threads, batch_sizes)
+        outer.update(1)
+    if "conveyor" in families:
+        outer.set_postfix_str("conveyor")
+        runner.attempt("conveyor", runner.conveyor)
+        outer.update(1)
+    if "conveyor-server" in families:
+        for c in runner.conveyor_seqs:
+            outer.set_postfix_str(f"conveyor-server c{c}")
+            runner.attempt(f"conveyor-server/c{c}", lambda c=c: runner.conveyor_server(c))
+            outer.update(1)
+    poisson_rate = resolve_poisson_rate(args.poisson_rate, runner)
+    if poisson_rate and "conveyor-server" in families:
+        outer.set_postfix_str("conveyor-server poisson")
+        runner.attempt("conveyor-server/poisson",
+                       lambda: runner.conveyor_server(max(runner.conveyor_seqs), rate=poisson_rate))
+        outer.update(1)
+    for family, parallel in llama_runs:
+        outer.set_postfix_str(f"{family} p{parallel}")
+        target = ggufs[family]
+        if isinstance(target, str):
+            if family not in runner.results:
+                runner.skip(family, target)
+        else:
+            runner.attempt(f"{family}/p{parallel}",
+                           lambda f=family, t=target, p=parallel: runner.llama_server(llama, f, t, p))
+        outer.update(1)
+    best_f32 = report.best(runner.results, "llama-server-f32/")
+    if poisson_rate and best_f32 and llama is not None:
+        outer.set_postfix_str("llama-server-f32 poisson")
+        runner.attempt("llama-server-f32/poisson", lambda: runner.llama_server(
+            llama, "llama-server-f32", ggufs["llama-server-f32"], best_f32[1]["concurrency"], rate=poisson_rate))
+        outer.update(1)
+    if hf_families:
+        outer.set_postfix_str("transformers")
+        reason = hf_peers.missing()
+        if reason:
+            for f in hf_families:
+                runner.skip(f, reason)
+        else:
+            from conveyor.model.loader import resolve_model_path
+
+            runner.transformers(hf_families, resolve_model_path(args.model))
+        outer.update(1)
+    outer.close()
+    return finish(args, runner, document, stamp, poisson_rate)
+
+
+def resolve_poisson_rate(text: str, runner: Runner) -> float | None:
+    if text == "off":
+        return None
+    if text != "auto":
+        return float(text)
+    peak = runner.results.get(f"conveyor-server/c{max(runner.conveyor_seqs)}") or runner.results.get("conveyor")
+    if not peak or not peak.get("requests_per_s"):
+        return None
+    return 0.8 * peak["requests_per_s"]
+
+
+def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str, poisson_rate: float | None) -> dict:
+    results = runner.results
+    base_key = "conveyor" if results.get("conveyor", {}).get("output_tokens_per_s") else \
+        f"conveyor-server/c{max(runner.conveyor_seqs)}"
+    report.add_ratios(results, base_key)
+    floor = None
+    if "limits" in document:
+        lim = document["limits"]
+        max_seqs = runner.max_num_seqs
+        floor = limits.workload_floor(document["workload"]["prompt_lengths"], args.output_tokens, max_seqs,
+                                      lim["params"], lim["bandwidth"]["used_bytes_per_s"], lim["matmul_flops_per_s"])
+        lim["workload_floor"] = floor
+        if runner.conveyor_steps:
+            lim["conveyor_decode_steps"] = limits.compare_steps(lim, runner.conveyor_steps)
+    single = dict(runner.single or {})
+    llama_p1 = results.get("llama-server-f32/p1", {})
+    document.update(results=results, base=base_key, poisson_rate_req_s=poisson_rate,
+                    single_request_decode={"conveyor": single or None,
+                                           "llama-server-f32/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
+                                           if llama_p1.get("tpot_ms", {}).get("mean") else None},
+                    goals=report.goals(results, base_key, floor, runner.single,
+                                       "conveyor-server/poisson" if poisson_rate else None),
+                    samples=runner.samples, finished=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+    out_json = args.out_dir / f"{stamp}.json"
+    if not args.no_plots:
+        document["plots"] = report.plots(results, runner.samples, args.out_dir / stamp)
+    report.write_json(out_json, document)
+    print_summary(document, out_json)
+    return document
+
+
+def print_summary(document: dict, out_json: Path | None) -> None:
+    if document["results"]:
+        print()
+        print(report.table(document["results"], document["base"]))
+    lim = document.get("limits")
+    if lim:
+        rates = ", ".join(f"M={m}: {r / 1e9:.0f}" for m, r in lim["matmul_flops_per_s"].items())
+        rates += f" (peak {lim['peak_matmul_flops_per_s'] / 1e9:.0f})"
+        bw = lim["bandwidth"]
+        print(f"\nphysical limit ({lim['threads']} threads): float32 matmul GFLOP/s {rates}; bandwidth read "
+              f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s; "
+              f"{lim['weight_bytes'] / 1e6:.0f} MB of weights, {lim['flops_per_token'] / 1e9:.3f} GFLOP/token")
+        for b, f in lim["decode_step_floor"].items():
+            print(f"  decode step floor at batch {b:3d}: {f['floor_s'] * 1000:7.2f} ms ({f['bound']} bound); "
+                  f"torch's matmuls alone take {f['torch_matmul_s'] * 1000:.2f} ms")
+        for rows, c in sorted(lim.get("conveyor_decode_steps", {}).items(), key=lambda kv: -kv[1]["num_steps"])[:6]:
+            print(f"  conveyor decode step at batch {rows:3d}: {c['measured_s'] * 1000:7.2f} ms (median of "
+                  f"{c['num_steps']} steps) = {c['pct_of_floor']:.0f}% of the floor, "
+                  f"{c['pct_of_torch_matmul']:.0f}% of torch's matmul time"
+                  + ("  (over 100%: other load slowed the limit measurement)" if c["pct_of_floor"] > 100 else ""))
+        wf = lim.get("workload_floor")
+        if wf:
+            print(f"  workload floor: {wf['total_s']:.1f} s (prefill {wf['prefill_s']:.1f} s + decode "
+                  f"{wf['decode_s']:.1f} s at batch {wf['decode_batch']}) = "
+                  f"{wf['output_tokens_per_s']:.0f} output tok/s")
+    single = document["single_request_decode"]
+    if single["conveyor"]:
+        print(f"\nsingle-request decode: conveyor {single['conveyor']['decode_tokens_per_s']:.1f} tok/s"
+              + (f", llama-server-f32 --parallel 1 {single['llama-server-f32/p1_tok_s']:.1f} tok/s"
+                 if single["llama-server-f32/p1_tok_s"] else ""))
+    if document["goals"]:
+        print("\ngoals (issue 5):")
+        print(report.goals_text(document["goals"]))
+    if out_json is not None:
+        print(f"\nJSON: {out_json}")
+    plots = document.get("plots")
+    if plots:
+        print("plots: " + (", ".join(plots) if isinstance(plots, list) else plots))

@@ -1,0 +1,128 @@
+"""The benchmark harness end to end on a tiny workload: the offline path and a real `conveyor serve`.
+
+No timed assertions: every figure must be present and sane (positive, percentiles ordered, output
+token counts equal to what was requested). Peers (transformers, llama.cpp) are not run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.client import RequestRecord, ServingRun
+from bench.metrics import percentile, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_REQUESTS, OUTPUT_TOKENS = 4, 8
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def check_distribution(dist: dict) -> None:
+    assert set(dist) == {"mean", "p50", "p90", "p99"}
+    assert all(v > 0 for v in dist.values()), dist
+    assert dist["p50"] <= dist["p90"] <= dist["p99"], dist
+
+
+def check_throughput(fig: dict) -> None:
+    assert fig["output_tokens"] == fig["output_tokens_requested"] == NUM_REQUESTS * OUTPUT_TOKENS
+    assert fig["output_tokens_per_s"] > 0 and fig["requests_per_s"] > 0
+    assert fig["total_tokens_per_s"] > fig["output_tokens_per_s"]
+    assert fig.get("rate_req_s") or fig["ratio_conveyor_to_this"] > 0   # Poisson rows have no ratio
+
+
+def check_serving(fig: dict) -> None:
+    check_throughput(fig)
+    assert fig["completed"] == NUM_REQUESTS and fig["failed"] == 0, fig["errors"]
+    assert fig["usage_reported"] and fig["chunk_tokens"] == fig["output_tokens"]   # logprobs list every token
+    for name in LATENCIES:
+        check_distribution(fig[name])
+    assert fig["ttft_ms"]["p99"] <= fig["e2e_ms"]["p99"]
+    assert 0 <= fig["goodput"]["good_requests"] <= NUM_REQUESTS
+    assert fig["goodput"]["requests_per_s"] <= fig["requests_per_s"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out_dir = tmp_path_factory.mktemp("bench_results")
+    cmd = [sys.executable, "-m", "bench", "run", "--systems", "conveyor,conveyor-server",
+           "--model", str(tiny_checkpoint), "--num-requests", str(NUM_REQUESTS), "--output-tokens", str(OUTPUT_TOKENS),
+           "--min-prompt", "10", "--max-prompt", "40", "--concurrency", "4", "--threads", "1",
+           "--kv-cache-memory", "64MiB", "--single-requests", "1", "--poisson-rate", "20", "--logprobs",
+           "--out-dir", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list(out_dir.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text()), proc.stdout
+
+
+def test_record_names_the_run(bench_run: tuple[dict, str]) -> None:
+    doc, stdout = bench_run
+    assert doc["command"].startswith("python -m bench run --systems conveyor,conveyor-server")
+    assert doc["machine"]["cpu_model"] and doc["machine"]["usable_cpus"] >= 1
+    assert doc["versions"]["torch"] and doc["versions"]["conveyor"]
+    assert doc["workload"]["num_requests"] == NUM_REQUESTS
+    assert all(10 <= n <= 40 for n in doc["workload"]["prompt_lengths"])
+    assert "conveyor÷" in stdout and "goals (issue 5)" in stdout
+
+
+def test_offline_figures(bench_run: tuple[dict, str]) -> None:
+    doc, _ = bench_run
+    fig = doc["results"]["conveyor"]
+    check_throughput(fig)
+    assert fig["failed"] == 0 and fig["elapsed_s"] > 0
+    assert fig["decode_steps"] and all(s["median_s"] > 0 for s in fig["decode_steps"].values())
+    assert doc["single_request_decode"]["conveyor"]["decode_tokens_per_s"] > 0
+
+
+def test_server_figures(bench_run: tuple[dict, str]) -> None:
+    doc, _ = bench_run
+    check_serving(doc["results"]["conveyor-server/c4"])
+    poisson = doc["results"]["conveyor-server/poisson"]
+    check_serving(poisson)
+    assert poisson["rate_req_s"] == pytest.approx(20.0) == doc["poisson_rate_req_s"]
+    samples = doc["samples"]["conveyor-server/c4"]
+    assert len(samples["ttft_ms"]) == NUM_REQUESTS
+    assert len(samples["itl_ms"]) == NUM_REQUESTS * (OUTPUT_TOKENS - 1)
+
+
+def test_physical_limit(bench_run: tuple[dict, str]) -> None:
+    lim = bench_run[0]["limits"]
+    assert all(rate > 0 for rate in lim["matmul_flops_per_s"].values())
+    assert {"1", "64", "256", "512"} <= set(lim["matmul_flops_per_s"])
+    assert lim["bandwidth"]["used_bytes_per_s"] > 0 and lim["weight_bytes"] > 0
+    assert all(f["floor_s"] > 0 for f in lim["decode_step_floor"].values())
+    assert lim["conveyor_decode_steps"] and all(c["pct_of_floor"] > 0 for c in lim["conveyor_decode_steps"].values())
+    floor = lim["workload_floor"]
+    assert floor["total_s"] == pytest.approx(floor["prefill_s"] + floor["decode_s"]) and floor["total_s"] > 0
+
+
+def test_goals_and_plots(bench_run: tuple[dict, str]) -> None:
+    doc, _ = bench_run
+    goals = {g["goal"]: g for g in doc["goals"]}
+    assert goals["output tok/s vs best llama-server F32"]["value"] == "not measured"
+    assert goals["Poisson at 80% of peak: p99 TTFT"]["met"] in (True, False)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in doc["plots"]
+    else:
+        assert len(doc["plots"]) == 3 and all(Path(p).stat().st_size > 0 for p in doc["plots"])
+
+
+def test_summarize_counts_and_orders() -> None:
+    records = []
+    for i in range(5):
+        r = RequestRecord(prompt_tokens=10, max_tokens=3, ttft_s=0.1 * (i + 1), e2e_s=0.1 * (i + 1) + 0.2,
+                          chunk_times_s=[1.0, 1.1, 1.2], chunk_tokens=3, usage_tokens=3)
+        records.append(r)
+    records.append(RequestRecord(prompt_tokens=10, max_tokens=3, error="HTTP 500"))
+    fig = summarize(ServingRun(records, duration_s=2.0, rate=None, max_concurrency=None), 0.31, 1.0)
+    assert fig["completed"] == 5 and fig["failed"] == 1 and fig["output_tokens"] == 15
+    assert fig["goodput"]["good_requests"] == 3
+    assert fig["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert fig["itl_ms"]["p50"] == pytest.approx(100.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
