@@ -26,7 +26,7 @@ def missing() -> str | None:
     return None
 
 
-def load(model_path: Path, threads: int):  # -> transformers.PreTrainedModel
+def load(model_path: Path, threads: int, dtype: str = "float32"):  # -> transformers.PreTrainedModel
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -35,9 +35,9 @@ def load(model_path: Path, threads: int):  # -> transformers.PreTrainedModel
     hf_logging.disable_progress_bar()
     if model_path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=getattr(torch, dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
     return model.eval()
 
 
