@@ -39,13 +39,8 @@ class ModelNotFound(ConveyorError):
     code = "model_not_found"
 
 
-class PromptTooLarge(ConveyorError):
-    status = 413
-    error_type = "invalid_request_error"
-
-
 class RequestTooLarge(ConveyorError):
-    """An HTTP request body over the server's limit (PromptTooLarge is about the prompt itself)."""
+    """An HTTP request body over the server's limit."""
 
     status = 413
     error_type = "invalid_request_error"
