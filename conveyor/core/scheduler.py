@@ -133,7 +133,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            cached_ids = self.blocks.find_cached_blocks(request) if request.num_computed_tokens == 0 else []
+            cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
