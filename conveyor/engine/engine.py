@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor import kernels
 from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
@@ -95,7 +96,8 @@ class LLMEngine:
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
-        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device)
+        self.kernel_library = kernels.library() if self.device.type == "cpu" else None
+        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library)
         arch = self.model.arch
         self.tokenizer = (Tokenizer.from_gguf(self.model_path) if self.model_path.is_file()
                           else Tokenizer.from_hf_folder(self.model_path))

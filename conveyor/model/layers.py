@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conveyor.kernels import KernelLibrary
+from conveyor.kernels.gemm import gemm, pack
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -88,3 +91,17 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is packed for the C matmul kernel (kernels/gemm.py); no float copy is kept."""
+
+    def __init__(self, lib: KernelLibrary, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.lib = lib
+        self.out_features, self.in_features = weight.shape
+        self.packed = nn.Parameter(pack(weight.detach()), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm(self.lib, x, self.packed, self.out_features, self.bias)

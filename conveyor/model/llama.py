@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from conveyor.kernels import KernelLibrary
+from conveyor.kernels.gemm import can_pack
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head: nn.Module | None = (None if arch.tie_word_embeddings
+                                          else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -108,8 +111,18 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[logits_indices])                                   # (S, hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (x @ weight.t()).float()                                    # (S, V)
+        logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
+        return logits.float()                                              # (S, V)
+
+    def pack_linears(self, lib: KernelLibrary) -> None:
+        """Hand every linear layer (and a tied output layer) to the packed C matmul; call after load_weights."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and can_pack(child.weight):
+                    setattr(module, name, PackedLinear(lib, child.weight, child.bias))
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            # The embedding keeps its own table for lookups; the packed copy serves the logits.
+            self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from conveyor.errors import ModelLoadError
+from conveyor.kernels import KernelLibrary
 from conveyor.model.llama import LlamaModel, ModelArch
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
-    """Build the model for a resolved path and fill in its weights."""
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               kernel_library: KernelLibrary | None = None) -> LlamaModel:
+    """Build the model for a resolved path and fill in its weights; with a kernel library, the
+    linear layers run on its packed matmul."""
     try:
         if path.is_file():
             arch, weights, freq_factors = _open_gguf(path)
@@ -78,6 +81,8 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
     except (ValueError, TypeError, AttributeError, OSError) as exc:
         raise ModelLoadError(f"cannot load {path}: {exc}") from exc
     model.eval()
+    if kernel_library is not None:
+        model.pack_linears(kernel_library)
     logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
                 arch.num_layers, arch.num_parameters / 1e6, dtype, device)
     return model

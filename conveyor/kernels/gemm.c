@@ -1,0 +1,252 @@
+/* Packed-weight matrix multiply for linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+ *
+ * Weights are packed once at load into panels of NR = 32 output channels, so a panel streams
+ * through memory contiguously and each weight vector loaded serves every row of x in the tile:
+ *   float32:  w[N/32][K][32]
+ *   bfloat16: w[N/32][K/2][32][2]   (pairs along K: the operand layout of vdpbf16ps)
+ * N is padded to a multiple of 32 with zero weights; only the first N columns of y are written.
+ *
+ * Each output is accumulated over k in one fixed order whatever M is and wherever its row falls in
+ * a tile, so a request's result never depends on the rest of its batch (batch invariance).
+ * Code paths: AVX-512 (+BF16), AVX2+FMA, portable C; chosen by the flags the library is built with.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define NR 32
+#define MC 64   /* rows of x per block: the block stays in L2 while the weight panels stream past */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#define MR_F32 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#define MR_F32 6
+#else
+#define MR_F32 4
+#endif
+
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#define HAVE_AVX512BF16 1
+#define MR_BF16 8
+#else
+#define MR_BF16 4
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* ------------------------------------------------------------------ float32 tiles */
+
+#if defined(HAVE_AVX512)
+INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+    __m512 acc[MR_F32][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    const __mmask16 m0 = nc >= 16 ? 0xffff : (__mmask16)((1u << nc) - 1);
+    const __mmask16 m1 = nc >= 32 ? 0xffff : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) { b0 = _mm512_maskz_loadu_ps(m0, bias); b1 = _mm512_maskz_loadu_ps(m1, bias + 16); }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(acc[r][0], b0));
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(acc[r][1], b1));
+    }
+}
+#elif defined(HAVE_AVX2)
+/* 16 registers: the 32 columns go in two passes of 16, so 6 rows x 2 vectors of accumulators fit. */
+INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+    for (int half = 0; half < 2; half++) {
+        const int64_t cols = nc - half * 16;
+        if (cols <= 0) break;
+        __m256 acc[MR_F32][2];
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        const float *wh = w + half * 16;
+        for (int64_t k = 0; k < K; k++) {
+            const __m256 w0 = _mm256_loadu_ps(wh + k * NR), w1 = _mm256_loadu_ps(wh + k * NR + 8);
+#pragma GCC unroll 6
+            for (int r = 0; r < mr; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+                acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            float out[16];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            float *yr = y + r * ldy + half * 16;
+            for (int64_t j = 0; j < cols && j < 16; j++) yr[j] = out[j] + (bias ? bias[half * 16 + j] : 0.f);
+        }
+    }
+}
+#else
+INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+    float acc[MR_F32][NR];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * ldx + k];
+            for (int j = 0; j < NR; j++) acc[r][j] += xv * w[k * NR + j];
+        }
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < nc; j++) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+#endif
+
+/* ------------------------------------------------------------------ bfloat16 tiles (f32 accumulation) */
+
+#if defined(HAVE_AVX512BF16)
+INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
+                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nc) {
+    __m512 acc[MR_BF16][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 2 * NR);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 2 * NR + NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kp, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+        }
+    }
+    const __mmask16 m0 = nc >= 16 ? 0xffff : (__mmask16)((1u << nc) - 1);
+    const __mmask16 m1 = nc >= 32 ? 0xffff : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+        _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+    }
+}
+#else
+/* No native bf16 dot product: widen to float32 (exact) and multiply-add, pair by pair. */
+INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
+                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nc) {
+    float acc[MR_BF16][NR];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        float wf[2][NR];
+        for (int j = 0; j < NR; j++) {
+            wf[0][j] = bf16_to_f32(w[kp * 2 * NR + 2 * j]);
+            wf[1][j] = bf16_to_f32(w[kp * 2 * NR + 2 * j + 1]);
+        }
+        for (int r = 0; r < mr; r++) {
+            const float x0 = bf16_to_f32(x[r * ldx + 2 * kp]), x1 = bf16_to_f32(x[r * ldx + 2 * kp + 1]);
+            for (int j = 0; j < NR; j++) acc[r][j] += x0 * wf[0][j] + x1 * wf[1][j];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < nc; j++)
+            y[r * ldy + j] = f32_to_bf16(acc[r][j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
+}
+#endif
+
+/* ------------------------------------------------------------------ drivers */
+
+/* A switch over constant row counts, so each tile's loops unroll and its accumulators stay in registers. */
+#define DISPATCH(TILE, MR_MAX, mr, ...)                                            \
+    switch (mr) {                                                                  \
+        case 1: TILE(1, __VA_ARGS__); break;                                       \
+        case 2: TILE(2, __VA_ARGS__); break;                                       \
+        case 3: TILE(3, __VA_ARGS__); break;                                       \
+        case 4: if (MR_MAX >= 4) TILE(4 <= MR_MAX ? 4 : 1, __VA_ARGS__); break;    \
+        case 5: if (MR_MAX >= 5) TILE(5 <= MR_MAX ? 5 : 1, __VA_ARGS__); break;    \
+        case 6: if (MR_MAX >= 6) TILE(6 <= MR_MAX ? 6 : 1, __VA_ARGS__); break;    \
+        case 7: if (MR_MAX >= 7) TILE(7 <= MR_MAX ? 7 : 1, __VA_ARGS__); break;    \
+        default: if (MR_MAX >= 8) TILE(8 <= MR_MAX ? 8 : 1, __VA_ARGS__); break;   \
+    }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Work items are (block of MC rows, panel of NR columns), block-major, split statically over threads. */
+int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+             int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    if (num_threads > items) num_threads = items;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+        const int64_t n0 = p * NR, nc = min64(NR, N - n0);
+        const float *wp = w + p * K * NR;
+        for (int64_t m = (item / panels) * MC; m < m_end; m += MR_F32) {
+            const int mr = (int)min64(MR_F32, m_end - m);
+            DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, y + m * ldy + n0, ldy, nc);
+        }
+    }
+    return 0;
+}
+
+/* K must be even (the packing pairs it). */
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+              int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    if (K % 2) return -1;
+    const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    if (num_threads > items) num_threads = items;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+        const int64_t n0 = p * NR, nc = min64(NR, N - n0);
+        const uint16_t *wp = w + p * K * NR;
+        for (int64_t m = (item / panels) * MC; m < m_end; m += MR_BF16) {
+            const int mr = (int)min64(MR_BF16, m_end - m);
+            DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, y + m * ldy + n0, ldy, nc);
+        }
+    }
+    return 0;
+}
+
+/* Which code paths this build took, for logs and tests: bit 0 AVX2, bit 1 AVX-512, bit 2 AVX-512 BF16. */
+int gemm_isa(void) {
+    int isa = 0;
+#if defined(HAVE_AVX2)
+    isa |= 1;
+#endif
+#if defined(HAVE_AVX512)
+    isa |= 2;
+#endif
+#if defined(HAVE_AVX512BF16)
+    isa |= 4;
+#endif
+    return isa;
+}
