@@ -1,10 +1,12 @@
-/* Packed-weight matrix multiply for linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+/* Packed-weight matrix multiply for linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias) (+ residual).
  *
  * Weights are packed once at load into panels of NR = 32 output channels, so a panel streams
  * through memory contiguously and each weight vector loaded serves every row of x in the tile:
  *   float32:  w[N/32][K][32]
  *   bfloat16: w[N/32][K/2][32][2]   (pairs along K: the operand layout of vdpbf16ps)
  * N is padded to a multiple of 32 with zero weights; only the first N columns of y are written.
+ * With a residual r (which y may overwrite in place) the product is added to it in the same pass, so
+ * the decoder's skip connections cost no extra sweep over the activations.
  *
  * Each output is accumulated over k in one fixed order whatever M is and wherever its row falls in
  * a tile, so a request's result never depends on the rest of its batch (batch invariance).
@@ -38,6 +40,13 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* The build allows reassociation (for vectorised loops elsewhere); this keeps (product + bias) rounded
+ * before the residual is added, as an unfused add would. */
+static inline float rounded(float v) {
+    __asm__("" : "+g"(v));
+    return v;
+}
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
     float f;
@@ -57,7 +66,7 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN st
 
 #if defined(HAVE_AVX512)
 INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int64_t nc) {
     __m512 acc[MR_F32][2];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -76,14 +85,20 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
     if (bias) { b0 = _mm512_maskz_loadu_ps(m0, bias); b1 = _mm512_maskz_loadu_ps(m1, bias + 16); }
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(acc[r][0], b0));
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(acc[r][1], b1));
+        __m512 v0 = _mm512_add_ps(acc[r][0], b0), v1 = _mm512_add_ps(acc[r][1], b1);
+        __asm__("" : "+v"(v0), "+v"(v1));   /* see rounded() */
+        if (res) {
+            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, res + r * ldr));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, res + r * ldr + 16));
+        }
+        _mm512_mask_storeu_ps(y + r * ldy, m0, v0);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, v1);
     }
 }
 #elif defined(HAVE_AVX2)
 /* 16 registers: the 32 columns go in two passes of 16, so 6 rows x 2 vectors of accumulators fit. */
 INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int64_t nc) {
     for (int half = 0; half < 2; half++) {
         const int64_t cols = nc - half * 16;
         if (cols <= 0) break;
@@ -105,13 +120,17 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
             _mm256_storeu_ps(out, acc[r][0]);
             _mm256_storeu_ps(out + 8, acc[r][1]);
             float *yr = y + r * ldy + half * 16;
-            for (int64_t j = 0; j < cols && j < 16; j++) yr[j] = out[j] + (bias ? bias[half * 16 + j] : 0.f);
+            const float *rr = res ? res + r * ldr + half * 16 : 0;
+            for (int64_t j = 0; j < cols && j < 16; j++) {
+                const float v = rounded(out[j] + (bias ? bias[half * 16 + j] : 0.f));
+                yr[j] = rr ? v + rr[j] : v;
+            }
         }
     }
 }
 #else
 INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                     const float *bias, float *y, int64_t ldy, int64_t nc) {
+                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int64_t nc) {
     float acc[MR_F32][NR];
     memset(acc, 0, sizeof(acc));
     for (int64_t k = 0; k < K; k++)
@@ -120,15 +139,20 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
             for (int j = 0; j < NR; j++) acc[r][j] += xv * w[k * NR + j];
         }
     for (int r = 0; r < mr; r++)
-        for (int64_t j = 0; j < nc; j++) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+        for (int64_t j = 0; j < nc; j++) {
+            const float v = rounded(acc[r][j] + (bias ? bias[j] : 0.f));
+            y[r * ldy + j] = res ? v + res[r * ldr + j] : v;
+        }
 }
 #endif
 
 /* ------------------------------------------------------------------ bfloat16 tiles (f32 accumulation) */
 
 #if defined(HAVE_AVX512BF16)
+INLINE __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
 INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
-                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nc) {
+                      const uint16_t *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int64_t nc) {
     __m512 acc[MR_BF16][2];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -148,19 +172,25 @@ INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16
     const __mmask16 m1 = nc >= 32 ? 0xffff : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
-        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
+        b0 = widen_bf16(_mm256_maskz_loadu_epi16(m0, bias));
+        b1 = widen_bf16(_mm256_maskz_loadu_epi16(m1, bias + 16));
     }
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
-        _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-        _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+        __m256i v0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
+        __m256i v1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
+        if (res) {  /* the product is rounded to bf16 before the residual add, as an unfused bf16 add would */
+            v0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(widen_bf16(v0), widen_bf16(_mm256_maskz_loadu_epi16(m0, res + r * ldr))));
+            v1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(widen_bf16(v1), widen_bf16(_mm256_maskz_loadu_epi16(m1, res + r * ldr + 16))));
+        }
+        _mm256_mask_storeu_epi16(y + r * ldy, m0, v0);
+        _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, v1);
     }
 }
 #else
 /* No native bf16 dot product: widen to float32 (exact) and multiply-add, pair by pair. */
 INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
-                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t nc) {
+                      const uint16_t *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int64_t nc) {
     float acc[MR_BF16][NR];
     memset(acc, 0, sizeof(acc));
     for (int64_t kp = 0; kp < K / 2; kp++) {
@@ -175,8 +205,10 @@ INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int64_t j = 0; j < nc; j++)
-            y[r * ldy + j] = f32_to_bf16(acc[r][j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
+        for (int64_t j = 0; j < nc; j++) {
+            const uint16_t v = f32_to_bf16(acc[r][j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
+            y[r * ldy + j] = res ? f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(res[r * ldr + j])) : v;
+        }
 }
 #endif
 
@@ -198,7 +230,8 @@ INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Work items are (block of MC rows, panel of NR columns), block-major, split statically over threads. */
-int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
+             float *y, int64_t ldy,
              int64_t M, int64_t N, int64_t K, int64_t num_threads) {
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
     if (num_threads > items) num_threads = items;
@@ -210,14 +243,16 @@ int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, flo
         const float *wp = w + p * K * NR;
         for (int64_t m = (item / panels) * MC; m < m_end; m += MR_F32) {
             const int mr = (int)min64(MR_F32, m_end - m);
-            DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, y + m * ldy + n0, ldy, nc);
+            DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
+                     ldr, y + m * ldy + n0, ldy, nc);
         }
     }
     return 0;
 }
 
 /* K must be even (the packing pairs it). */
-int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *res,
+              int64_t ldr, uint16_t *y, int64_t ldy,
               int64_t M, int64_t N, int64_t K, int64_t num_threads) {
     if (K % 2) return -1;
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
@@ -230,7 +265,8 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t 
         const uint16_t *wp = w + p * K * NR;
         for (int64_t m = (item / panels) * MC; m < m_end; m += MR_BF16) {
             const int mr = (int)min64(MR_BF16, m_end - m);
-            DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, y + m * ldy + n0, ldy, nc);
+            DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
+                     ldr, y + m * ldy + n0, ldy, nc);
         }
     }
     return 0;

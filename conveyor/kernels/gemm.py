@@ -40,18 +40,28 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gemm(lib: KernelLibrary, x: torch.Tensor, packed: torch.Tensor, n: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) float32 or bfloat16 (the packed weight's dtype) -> (..., N) of the same dtype."""
+         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 or bfloat16 (the packed weight's dtype) -> (..., N) of the same dtype.
+
+    With `residual` (..., N), contiguous rows, the result is x W^T + bias + residual, written into
+    `residual` itself and returned: the skip connection costs no separate pass.
+    """
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
+    if residual is None:
+        y = torch.empty(m, n, dtype=x.dtype)
+        res_ptr = 0
+    else:
+        assert residual.dtype == x.dtype and residual.stride(-1) == 1 and residual.numel() == m * n
+        y = residual.view(m, n)
+        res_ptr = y.data_ptr()
     if m:
         fn = lib.lib.gemm_f32 if packed.dtype == torch.float32 else lib.lib.gemm_bf16
         status = fn(x2.data_ptr(), x2.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                    y.data_ptr(), n, m, n, k, torch.get_num_threads())
+                    res_ptr, y.stride(0), y.data_ptr(), y.stride(0), m, n, k, torch.get_num_threads())
         if status != 0:
             raise ValueError(f"gemm: unsupported shape (K = {k}, dtype {x.dtype})")
     return y.view(*x.shape[:-1], n)

@@ -20,21 +20,22 @@ from conveyor import kernels
 
 @dataclass(slots=True)
 class AttentionGroup:
-    query_index: torch.Tensor     # (B, Lq) long: packed token index of each padded query slot
     block_tables: torch.Tensor    # (B, NB) long: padded with block 0, which the mask hides
-    mask: torch.Tensor            # (B, 1, Lq, NB * block_size) bool: True = may attend
-    window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
-    out_rows: torch.Tensor        # (n,) long: flat positions in B * Lq that hold real queries
-    out_tokens: torch.Tensor      # (n,) long: packed token index of each of those queries
+    out_tokens: torch.Tensor      # (n,) long: packed token index of each real query
     context_lens: torch.Tensor    # (B,) long: keys visible to each row's last query
     is_decode: bool               # one query per row: the fused decode kernel can take it
+    # The padded torch path only (a decode group bound for the kernel leaves them None):
+    query_index: torch.Tensor | None = None   # (B, Lq) long: packed token index of each padded query slot
+    mask: torch.Tensor | None = None          # (B, 1, Lq, NB * block_size) bool: True = may attend
+    window_mask: torch.Tensor | None = None   # the same with the sliding window applied, if the model has one
+    out_rows: torch.Tensor | None = None      # (n,) long: flat positions in B * Lq that hold real queries
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor    # (T,) long: cache slot (block_id * block_size + offset) per token
     groups: list[AttentionGroup]
-    use_kernel: bool = False      # decode rows go through the fused C kernel (float32 on CPU)
+    use_kernel: bool = False      # decode rows go through the fused C kernel (float32 or bfloat16 on CPU)
 
 
 @dataclass(slots=True)
@@ -48,19 +49,24 @@ class RowSpec:
 
 
 def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                device: torch.device) -> AttentionGroup:
-    """Pad a set of rows into one attention group (vectorised mask construction)."""
+                device: torch.device, for_kernel: bool = False) -> AttentionGroup:
+    """Pad a set of rows into one attention group (vectorised mask construction).
+
+    `for_kernel`: decode rows bound for the fused kernel, which needs no padding or masks.
+    """
     num_rows = len(rows)
     max_query = max(r.num_query for r in rows)
     max_blocks = max(len(r.block_table) for r in rows)
     num_keys = max_blocks * block_size
 
     starts = torch.tensor([r.token_start for r in rows], dtype=torch.long)
-    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
     context_len = torch.tensor([r.context_len for r in rows], dtype=torch.long)
-    tables = torch.zeros(num_rows, max_blocks, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.long)
+    tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in rows],
+                          dtype=torch.long)
+    if for_kernel and max_query == 1:
+        return AttentionGroup(block_tables=tables.to(device), out_tokens=starts.to(device),
+                              context_lens=context_len.to(device), is_decode=True)
+    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
 
     offsets = torch.arange(max_query)                                 # (Lq,)
     is_real = offsets[None, :] < num_query[:, None]                   # (B, Lq)
@@ -75,14 +81,14 @@ def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None
         window_mask = window_mask[:, None].to(device)
     out_rows = is_real.reshape(-1).nonzero().squeeze(1)
     return AttentionGroup(
-        query_index=query_index.to(device),
         block_tables=tables.to(device),
-        mask=mask[:, None].to(device),
-        window_mask=window_mask,
-        out_rows=out_rows.to(device),
         out_tokens=query_index.reshape(-1)[out_rows].to(device),
         context_lens=context_len.to(device),
         is_decode=max_query == 1,
+        query_index=query_index.to(device),
+        mask=mask[:, None].to(device),
+        window_mask=window_mask,
+        out_rows=out_rows.to(device),
     )
 
 
@@ -100,28 +106,31 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
                      for p in range(first, r.context_len))
     decode = [r for r in rows if r.num_query == 1]
     prefill = [r for r in rows if r.num_query > 1]
-    groups = [build_group(g, block_size, sliding_window, device) for g in (decode, prefill) if g]
+    groups = [build_group(g, block_size, sliding_window, device, use_kernel) for g in (decode, prefill) if g]
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, use_kernel)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend every query to its row's context.
-
-    q: (T, H, D); k, v: (T, KV, D); k_cache, v_cache: (num_blocks, block_size, KV, D).
-    Returns (T, H, D).
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> None:
+    """Store this step's keys and values, (T, KV, D) each, at their slots of the caches."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float, window: int | None) -> torch.Tensor:
+    """Attend every query, (T, H, D), to its row's cached context (this step's keys included).
+
+    Returns (T, H, D) contiguous. q may be a strided view (e.g. into a fused qkv buffer).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
         if group.is_decode and meta.use_kernel:
-            out[group.out_tokens] = kernels.paged_decode(
-                q[group.out_tokens], k_cache, v_cache, group.block_tables, group.context_lens, scale, window)
+            kernels.paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scale, window,
+                                 out=out, tokens=group.out_tokens)
             continue
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size
@@ -136,3 +145,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         og = og.transpose(1, 2).reshape(rows * max_query, num_heads, head_dim)
         out[group.out_tokens] = og[group.out_rows]
     return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query to its row's context.
+
+    q: (T, H, D); k, v: (T, KV, D); k_cache, v_cache: (num_blocks, block_size, KV, D).
+    Returns (T, H, D).
+    """
+    write_cache(k, v, k_cache, v_cache, meta)
+    return attend(q, k_cache, v_cache, meta, scale, window)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from conveyor.kernels import KernelLibrary
+from conveyor.kernels import layer as layer_kernels
 from conveyor.kernels.gemm import gemm, pack
 
 
@@ -17,8 +18,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels: KernelLibrary | None = None   # set by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return layer_kernels.rmsnorm(self.kernels, x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
@@ -65,12 +69,12 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: building on the meta device and `to_empty` must not wipe it.
         self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, theta, scaling, freq_factors)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, (T, 1, D) each, for `apply_rotary`."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, (T, D) float32 each, for `apply_rotary` and the rope kernel."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # (T, D/2)
         cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: the sign moves into the table.
-        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -86,11 +90,26 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.kernels: KernelLibrary | None = None   # set by LlamaModel.use_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.kernels is not None:
+            act = layer_kernels.silu_mul(self.kernels, gate_up.view(-1, gate_up.shape[-1]))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return linear_residual(self.down_proj, act, residual)
+
+
+def linear_residual(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + linear(x); a packed layer adds the residual in its matmul's epilogue, in place."""
+    if residual is None:
+        return linear(x)
+    if isinstance(linear, PackedLinear) and residual.is_contiguous():
+        return linear(x, residual=residual)
+    return residual + linear(x)
 
 
 class PackedLinear(nn.Module):
@@ -103,5 +122,5 @@ class PackedLinear(nn.Module):
         self.packed = nn.Parameter(pack(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm(self.lib, x, self.packed, self.out_features, self.bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return gemm(self.lib, x, self.packed, self.out_features, self.bias, residual)

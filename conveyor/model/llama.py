@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelLibrary
+from conveyor.kernels import layer as layer_kernels
+from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.kernels.gemm import can_pack
-from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from conveyor.model.attention import AttentionMetadata, attend, paged_attention
+from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear_residual
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,28 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
+        self.kernels: KernelLibrary | None = None   # set by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj(attention(x)), plus `residual` when given (which may be overwritten with the sum)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)                                             # (T, (H + 2KV) * D)
+        if self.kernels is not None and meta.use_kernel:
+            # One pass rotates q and k in place and stores k and v; q is then read in place.
+            layer_kernels.rope_cache(self.kernels, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                     cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            out = attend(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+            return linear_residual(self.o_proj, out.view(num_tokens, self.q_size), residual)
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         # q and k are adjacent in qkv: rotate them in one pass.
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)       # (T, H, D), (T, KV, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return linear_residual(self.o_proj, out.view(num_tokens, self.q_size), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -84,8 +97,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
@@ -106,17 +119,22 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
-        x = self.embed_tokens(input_ids)                                   # (T, hidden)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.embed_tokens(input_ids)                                   # (T, hidden), a fresh tensor
+        cos, sin = self.rotary.cos_sin(positions)                          # (T, D) float32 each
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[logits_indices])                                   # (S, hidden)
         logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
         return logits.float()                                              # (S, V)
 
-    def pack_linears(self, lib: KernelLibrary) -> None:
-        """Hand every linear layer (and a tied output layer) to the packed C matmul; call after load_weights."""
+    def use_kernels(self, lib: KernelLibrary) -> None:
+        """Run the decoder through the C kernels: packed matmuls for every linear layer (and a tied output
+        layer), and the fused elementwise kernels. Call after load_weights; float32 and bfloat16 only."""
+        if self.embed_tokens.weight.dtype not in KERNEL_DTYPES:
+            return
         for module in list(self.modules()):
+            if isinstance(module, (Attention, RMSNorm, GatedMLP)):
+                module.kernels = lib
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and can_pack(child.weight):
                     setattr(module, name, PackedLinear(lib, child.weight, child.bias))

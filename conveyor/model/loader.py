@@ -82,7 +82,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         raise ModelLoadError(f"cannot load {path}: {exc}") from exc
     model.eval()
     if kernel_library is not None:
-        model.pack_linears(kernel_library)
+        model.use_kernels(kernel_library)
     logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
                 arch.num_layers, arch.num_parameters / 1e6, dtype, device)
     return model

@@ -16,8 +16,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        # The fused decode kernel reads float32 CPU caches; anything else takes the torch path.
-        self.use_kernel = (device.type == "cpu" and kv_cache.tensor.dtype == torch.float32
+        # The fused kernels take float32 and bfloat16 CPU caches; anything else takes the torch path.
+        self.use_kernel = (device.type == "cpu" and kv_cache.tensor.dtype in (torch.float32, torch.bfloat16)
                            and kernels.has_paged_decode())
 
     def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:

@@ -47,6 +47,10 @@ def test_gemm_matches_torch_and_is_batch_invariant(variant: str, dtype: torch.dt
     # Every row alone gives bit for bit what it gave inside the batch.
     for row in range(m):
         assert torch.equal(gemm.gemm(library, x[row:row + 1], packed, n, bias)[0], y[row])
+    # The residual epilogue equals a separate add of the (rounded) product, in place.
+    residual = torch.randn(m, n, generator=gen).to(dtype)
+    summed = gemm.gemm(library, x, packed, n, bias, residual=residual.clone())
+    assert torch.equal(summed, y + residual)
 
 
 def test_gemm_without_bias_and_strided_input() -> None:

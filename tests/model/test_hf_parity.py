@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor import kernels
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
 MODEL_NAMES = ("llama", "llama_untied", "qwen2", "mistral")
+# The torch ops, and the C kernels (packed matmuls, fused norm/RoPE/cache write, decode attention).
+PATHS = ("torch", "kernels") if kernels.library() is not None else ("torch",)
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
 PROMPT_LENS = (5, 13, 1, 21)     # one token, one block, past one block; 13 and 21 exceed Mistral's window of 8
@@ -34,6 +37,7 @@ class PagedRunner:
 
     def __init__(self, model: LlamaModel, seed: int = 0) -> None:
         self.model = model
+        self.use_kernel = model.layers[0].self_attn.kernels is not None
         self.cache = KVCache(model.arch, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32)
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
@@ -60,7 +64,7 @@ class PagedRunner:
             input_ids.extend(tokens)
             positions.extend(range(num_cached, context_len))
         meta = build_metadata(rows, block_size=BLOCK_SIZE, sliding_window=self.model.arch.sliding_window,
-                              device=torch.device("cpu"))
+                              device=torch.device("cpu"), use_kernel=self.use_kernel)
         num_tokens = len(input_ids)
         with torch.no_grad():
             logits = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.cache.layers,
@@ -85,17 +89,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(num_threads)
 
 
-@pytest.fixture(scope="module", params=MODEL_NAMES)
+@pytest.fixture(scope="module", params=[(m, p) for m in MODEL_NAMES for p in PATHS],
+                ids=lambda param: "-".join(param))
 def models(request: pytest.FixtureRequest,
            tiny_checkpoint_factory: Callable[[str], Path]) -> tuple[str, LlamaModel, torch.nn.Module]:
     """(name, our model, transformers' model) for one tiny checkpoint, both float32."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_checkpoint_factory(request.param)
-    ours = load_model(folder, torch.float32)
+    name, path = request.param
+    folder = tiny_checkpoint_factory(name)
+    ours = load_model(folder, torch.float32, kernel_library=kernels.library() if path == "kernels" else None)
     # eager attention applies Mistral's sliding window in the plainest way.
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    return request.param, ours, hf
+    return name, ours, hf
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -114,7 +120,8 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
     name, ours, hf = models
     arch = ours.arch
     assert arch.tie_word_embeddings == (name in ("llama", "qwen2"))
-    assert (ours.lm_head is None) == arch.tie_word_embeddings
+    if ours.layers[0].self_attn.kernels is None:   # with kernels a tied output layer gets a packed copy
+        assert (ours.lm_head is None) == arch.tie_word_embeddings
     if name == "qwen2":
         bias = ours.layers[0].self_attn.qkv_proj.bias
         assert arch.qkv_bias and bias is not None and bias.abs().min() > 0

@@ -1,0 +1,121 @@
+/* The elementwise parts of a decoder layer, each one pass over memory instead of a chain of torch ops.
+ *
+ * rmsnorm:     y = w * x / sqrt(mean(x^2) + eps), row by row.
+ * silu_mul:    the gated activation of a SwiGLU MLP.
+ * rope_cache:  rotate the q and k heads of a packed qkv buffer in place (rotate-half RoPE) and write
+ *              each token's k and v heads into the paged cache at its slot.
+ * Activations are float32 or bfloat16 (is_bf16); bfloat16 is widened on load and rounded to nearest
+ * even on store, with every step in float32 between. Each row is computed alone, so results never
+ * depend on the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_D 256
+
+static inline float load(const void *base, int64_t i, int is_bf16) {
+    if (!is_bf16) return ((const float *)base)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float round_bf16(float f) {   /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x400000u;
+    else bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void store(void *base, int64_t i, float f, int is_bf16) {
+    if (!is_bf16) { ((float *)base)[i] = f; return; }
+    uint32_t bits;
+    f = round_bf16(f);
+    memcpy(&bits, &f, 4);
+    ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
+}
+
+/* bfloat16 follows Hugging Face's order: normalise in float32, round to bf16, then scale by w. */
+static inline __attribute__((always_inline)) void rmsnorm_row(const void *x, const void *w, void *y, int64_t N,
+                                                              float eps, const int IS_BF16) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < N; i++) {
+        const float v = load(x, i, IS_BF16);
+        sum += v * v;
+    }
+    const float r = 1.f / sqrtf(sum / (float)N + eps);
+    for (int64_t i = 0; i < N; i++) {
+        float v = load(x, i, IS_BF16) * r;
+        if (IS_BF16) v = round_bf16(v);
+        store(y, i, v * load(w, i, IS_BF16), IS_BF16);
+    }
+}
+
+void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
+             int is_bf16, int64_t num_threads) {
+    const int64_t size = is_bf16 ? 2 : 4;
+    if (num_threads > M) num_threads = M;
+    if (num_threads < 1 || M * N < 16384) num_threads = 1;   /* a decode step's rows cost less than a fork */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const char *xr = (const char *)x + m * ldx * size;
+        char *yr = (char *)y + m * ldy * size;
+        if (is_bf16) rmsnorm_row(xr, w, yr, N, eps, 1);
+        else rmsnorm_row(xr, w, yr, N, eps, 0);
+    }
+}
+
+/* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. cos, sin: [T, D] float32, sin signed
+ * so that rotate_half(x) * sin == roll(x, D/2) * sin. Caches: [slots, Hkv, D] in the activations' dtype. */
+int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int is_bf16,
+               int64_t num_threads) {
+    if (D > MAX_D || D % 2) return -1;
+    const int64_t half = D / 2, heads = Hq + Hkv;
+    if (num_threads > T) num_threads = T;
+    if (num_threads < 1 || T * heads * D < 65536) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        const int64_t row = t * ld;
+        for (int64_t h = 0; h < heads; h++) {
+            float x[MAX_D];
+            const int64_t base = row + h * D;
+            for (int64_t d = 0; d < D; d++) x[d] = load(qkv, base + d, is_bf16);
+            for (int64_t d = 0; d < D; d++) {
+                const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+                store(qkv, base + d, rotated, is_bf16);
+                if (h >= Hq) store(k_cache, (slots[t] * Hkv + (h - Hq)) * D + d, rotated, is_bf16);
+            }
+        }
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t src = row + (heads + h) * D, dst = (slots[t] * Hkv + h) * D;
+            if (is_bf16) memcpy((uint16_t *)v_cache + dst, (const uint16_t *)qkv + src, D * 2);
+            else memcpy((float *)v_cache + dst, (const float *)qkv + src, D * 4);
+        }
+    }
+    return 0;
+}
+
+/* SwiGLU's middle: y[m, i] = silu(x[m, i]) * x[m, I + i] over a fused gate/up product. In bfloat16 the
+ * silu is rounded before the product, as two separate bf16 ops would round. */
+void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
+              int64_t num_threads) {
+    if (num_threads > M) num_threads = M;
+    if (num_threads < 1 || M * I < 65536) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t xr = m * ldx, yr = m * ldy;
+        for (int64_t i = 0; i < I; i++) {
+            const float g = load(x, xr + i, is_bf16), u = load(x, xr + I + i, is_bf16);
+            float s = g / (1.f + expf(-g));
+            if (is_bf16) s = round_bf16(s);
+            store(y, yr + i, s * u, is_bf16);
+        }
+    }
+}
