@@ -42,8 +42,9 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     return built
 
 
+@cache
 def library() -> KernelLibrary | None:
-    """The kernels for this CPU, or None when they cannot be built."""
+    """The kernels for this CPU, or None when they cannot be built (looked up once: hot paths call it)."""
     return library_for(cpu_features())
 
 
