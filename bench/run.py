@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="conveyor offline (default: largest --conveyor-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="4GiB")
+    p.add_argument("--conveyor-dtype", default="float32",
+                   help="conveyor's --dtype (default float32: the same weight values as llama.cpp's F32 file)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
     p.add_argument("--poisson-rate", default="auto",
@@ -135,7 +137,8 @@ class Runner:
     def conveyor(self) -> None:
         a = self.args
         max_num_seqs = self.max_num_seqs
-        llm = conveyor_offline.make_llm(a.model, a.threads, max_num_seqs, a.max_num_batched_tokens, a.kv_cache_memory)
+        llm = conveyor_offline.make_llm(a.model, a.threads, max_num_seqs, a.max_num_batched_tokens, a.kv_cache_memory,
+                                        a.conveyor_dtype)
         bar, tick = self.progress("conveyor")
         with bar:
             fig = conveyor_offline.run(llm, self.requests, self.warmup, on_done=tick)
@@ -154,7 +157,7 @@ class Runner:
         port = servers.free_port()
         cmd = servers.conveyor_command(port, model=a.model, threads=a.threads, max_num_seqs=concurrency,
                                        max_num_batched_tokens=a.max_num_batched_tokens,
-                                       kv_cache_memory=a.kv_cache_memory)
+                                       kv_cache_memory=a.kv_cache_memory, dtype=a.conveyor_dtype)
         key = f"conveyor-server/{'poisson' if rate else f'c{concurrency}'}"
         with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
             fig = self.serve(key, server.base_url, self.requests, concurrency, rate)
@@ -246,7 +249,8 @@ def run(args: argparse.Namespace) -> dict:
         "num_requests": args.num_requests, "output_tokens": args.output_tokens, "seed": args.seed,
         "prompt_lengths": [len(r.prompt_token_ids) for r in runner.requests],
         "prompt_tokens": sum(len(r.prompt_token_ids) for r in runner.requests),
-        "threads": args.threads, "llama_parallel": runner.concurrency, "conveyor_seqs": runner.conveyor_seqs}
+        "threads": args.threads, "llama_parallel": runner.concurrency, "conveyor_seqs": runner.conveyor_seqs,
+        "conveyor_dtype": args.conveyor_dtype}
     load = os.getloadavg()[0]
     if load > document["machine"]["usable_cpus"]:
         tqdm.write(f"warning: load average {load:.1f} on {document['machine']['usable_cpus']} CPUs before the run; "

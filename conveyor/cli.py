@@ -17,7 +17,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", choices=DTYPES, default="float32", help="working dtype of weights and KV cache")
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
+                            "native bf16 dot products (AVX-512 BF16), float32 elsewhere")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -40,7 +40,7 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None          # path to a GGUF file or a Hugging Face folder; None = bundled
-    dtype: str = "float32"
+    dtype: str = "auto"                # "auto": bfloat16 where the CPU multiplies it natively, else float32
     threads: int | None = None        # torch intra-op threads; None leaves torch's default
     device: str = "cpu"
     served_model_name: str | None = None

@@ -26,6 +26,7 @@ from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.errors import InvalidRequest
 from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.model.llama import LlamaModel
+from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
 from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
@@ -33,7 +34,6 @@ from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -95,8 +95,9 @@ class LLMEngine:
             torch.set_num_threads(config.model.threads)
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
-        self.dtype = _DTYPES[config.model.dtype]
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
+        self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library)
         arch = self.model.arch
         self.tokenizer = (Tokenizer.from_gguf(self.model_path) if self.model_path.is_file()

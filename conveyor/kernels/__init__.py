@@ -1,4 +1,4 @@
-"""C kernels for the hot loops: packed-weight matmuls and paged decode attention.
+"""C kernels for the hot loops: packed-weight matmuls, paged attention, the elementwise decoder ops.
 
 Built with the system C compiler on first use for the features of the CPU we run on (see build.py).
 Every kernel has a torch twin used when no compiler is present, and tests compare them.
@@ -13,8 +13,8 @@ import torch
 
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
-__all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "has_paged_decode",
-           "paged_decode"]
+__all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "attention_tile_size",
+           "paged_attention"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -26,8 +26,11 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     if built is None:
         return None
     lib = built.lib
-    lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P] + [_I64] * 6 + [_F32, _P, _I64, _I64, _INT]
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 6 + [_F32, _P, _I64, _I64,
+                                                                                               _INT]
+    lib.attention_tile_size.restype = _I64
+    lib.attention_tile_size.argtypes = [_I64] * 4
     for name in ("gemm_f32", "gemm_bf16"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64]
@@ -48,35 +51,33 @@ def library() -> KernelLibrary | None:
     return library_for(cpu_features())
 
 
-def has_paged_decode() -> bool:
-    return library() is not None
+def attention_tile_size(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """Queries per work item of the attention kernel for this shape; 0 when the kernel cannot take it."""
+    built = library()
+    return 0 if built is None else built.lib.attention_tile_size(num_heads, num_kv_heads, head_dim, block_size)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor | None = None,
-                 tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention, one query per row, float32 or bfloat16 (q's dtype, the caches' too).
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    rows: torch.Tensor, context_lens: torch.Tensor, tokens: torch.Tensor, tile_start: torch.Tensor,
+                    scale: float, window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """Attention for the queries listed by (rows, context_lens, tokens), in tiles given by tile_start.
 
-    q: (T, H, D) with each token's heads contiguous (a strided view into a fused qkv buffer is fine);
-    caches (num_blocks, block_size, KV, D); block_tables (B, NB) int64; context_lens (B,) int64.
-    Row b's query is token `tokens[b]` of q (b itself without `tokens`) and its result goes to the
-    same token of `out` (T, H, D), which is returned. The ctypes call releases the GIL.
+    q, out: (T, H, D) float32 or bfloat16, each token's heads contiguous (q may be a strided view into
+    a fused qkv buffer); caches (num_blocks, block_size, KV, D) in q's dtype; block_tables (R, NB);
+    query i is token tokens[i] of row rows[i] and sees context_lens[i] keys. All index tensors int64.
+    Returns `out`. The ctypes call releases the GIL.
     """
     built = library()
     assert built is not None and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
-    rows = block_tables.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    status = built.lib.paged_decode(
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+    status = built.lib.paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], context_lens.data_ptr(), 0 if tokens is None else tokens.data_ptr(), rows,
-        num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, out.data_ptr(), out.stride(0),
-        torch.get_num_threads(), q.dtype == torch.bfloat16)
+        block_tables.shape[1], rows.data_ptr(), context_lens.data_ptr(), tokens.data_ptr(), tile_start.data_ptr(),
+        tile_start.shape[0] - 1, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), q.dtype == torch.bfloat16)
     if status != 0:
-        raise ValueError(f"paged_decode: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
-                         f"head dim {head_dim}, block size {block_size})")
+        raise ValueError(f"paged_attention: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
+                         f"head dim {head_dim}, block size {block_size}) or tiles")
     return out

@@ -6,6 +6,10 @@ context held in fixed-size KV blocks listed by its block table. Rows are attende
 op: its queries padded to (B, Lq), its keys gathered block-wise to (B, NB * block_size), and a
 boolean mask that encodes both the padding and causality. A step thus costs one batched
 attention call per group and layer, never a Python loop per row or token.
+
+On CPU the C kernel (kernels/attention.c) replaces the groups: every query of the step, decode or
+prompt, goes through one code path straight from the cache blocks, so a token's result does not
+depend on how its prompt was chunked or batched, even in bfloat16.
 """
 
 from __future__ import annotations
@@ -20,22 +24,36 @@ from conveyor import kernels
 
 @dataclass(slots=True)
 class AttentionGroup:
+    """Rows padded together for torch's attention."""
+
+    query_index: torch.Tensor     # (B, Lq) long: packed token index of each padded query slot
     block_tables: torch.Tensor    # (B, NB) long: padded with block 0, which the mask hides
-    out_tokens: torch.Tensor      # (n,) long: packed token index of each real query
-    context_lens: torch.Tensor    # (B,) long: keys visible to each row's last query
-    is_decode: bool               # one query per row: the fused decode kernel can take it
-    # The padded torch path only (a decode group bound for the kernel leaves them None):
-    query_index: torch.Tensor | None = None   # (B, Lq) long: packed token index of each padded query slot
-    mask: torch.Tensor | None = None          # (B, 1, Lq, NB * block_size) bool: True = may attend
-    window_mask: torch.Tensor | None = None   # the same with the sliding window applied, if the model has one
-    out_rows: torch.Tensor | None = None      # (n,) long: flat positions in B * Lq that hold real queries
+    mask: torch.Tensor            # (B, 1, Lq, NB * block_size) bool: True = may attend
+    window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
+    out_rows: torch.Tensor        # (n,) long: flat positions in B * Lq that hold real queries
+    out_tokens: torch.Tensor      # (n,) long: packed token index of each of those queries
+
+
+@dataclass(slots=True)
+class KernelPlan:
+    """Every query of the step for the C kernel: no padding, each query with its own context length."""
+
+    block_tables: torch.Tensor    # (R, NB) long, one row per step row
+    rows: torch.Tensor            # (T,) long: each query's row
+    context_lens: torch.Tensor    # (T,) long: keys each query sees (its position + 1)
+    tokens: torch.Tensor          # (T,) long: each query's packed token index
+    tile_start: torch.Tensor      # (tiles + 1,) long: tiles of consecutive queries of one row
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor    # (T,) long: cache slot (block_id * block_size + offset) per token
-    groups: list[AttentionGroup]
-    use_kernel: bool = False      # decode rows go through the fused C kernel (float32 or bfloat16 on CPU)
+    groups: list[AttentionGroup]  # the torch path
+    kernel: KernelPlan | None = None  # the C kernel path (float32 or bfloat16 on CPU), instead of groups
+
+    @property
+    def use_kernel(self) -> bool:
+        return self.kernel is not None
 
 
 @dataclass(slots=True)
@@ -49,24 +67,18 @@ class RowSpec:
 
 
 def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                device: torch.device, for_kernel: bool = False) -> AttentionGroup:
-    """Pad a set of rows into one attention group (vectorised mask construction).
-
-    `for_kernel`: decode rows bound for the fused kernel, which needs no padding or masks.
-    """
+                device: torch.device) -> AttentionGroup:
+    """Pad a set of rows into one attention group (vectorised mask construction)."""
     num_rows = len(rows)
     max_query = max(r.num_query for r in rows)
     max_blocks = max(len(r.block_table) for r in rows)
     num_keys = max_blocks * block_size
 
     starts = torch.tensor([r.token_start for r in rows], dtype=torch.long)
+    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
     context_len = torch.tensor([r.context_len for r in rows], dtype=torch.long)
     tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in rows],
                           dtype=torch.long)
-    if for_kernel and max_query == 1:
-        return AttentionGroup(block_tables=tables.to(device), out_tokens=starts.to(device),
-                              context_lens=context_len.to(device), is_decode=True)
-    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
 
     offsets = torch.arange(max_query)                                 # (Lq,)
     is_real = offsets[None, :] < num_query[:, None]                   # (B, Lq)
@@ -81,20 +93,37 @@ def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None
         window_mask = window_mask[:, None].to(device)
     out_rows = is_real.reshape(-1).nonzero().squeeze(1)
     return AttentionGroup(
-        block_tables=tables.to(device),
-        out_tokens=query_index.reshape(-1)[out_rows].to(device),
-        context_lens=context_len.to(device),
-        is_decode=max_query == 1,
         query_index=query_index.to(device),
+        block_tables=tables.to(device),
         mask=mask[:, None].to(device),
         window_mask=window_mask,
         out_rows=out_rows.to(device),
+        out_tokens=query_index.reshape(-1)[out_rows].to(device),
     )
 
 
+def build_kernel_plan(rows: list[RowSpec], tile_size: int) -> KernelPlan:
+    max_blocks = max(len(r.block_table) for r in rows)
+    tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in rows]
+    row_of: list[int] = []
+    context_lens: list[int] = []
+    tokens: list[int] = []
+    tile_start: list[int] = []
+    for i, r in enumerate(rows):
+        first = r.context_len - r.num_query
+        tile_start.extend(range(len(tokens), len(tokens) + r.num_query, tile_size))
+        row_of.extend([i] * r.num_query)
+        context_lens.extend(range(first + 1, r.context_len + 1))
+        tokens.extend(range(r.token_start, r.token_start + r.num_query))
+    tile_start.append(len(tokens))
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return KernelPlan(as_long(tables), as_long(row_of), as_long(context_lens), as_long(tokens), as_long(tile_start))
+
+
 def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                   device: torch.device, use_kernel: bool = False) -> AttentionMetadata:
-    """Slot mapping for the rows' new tokens, and the rows split into decode and prefill groups.
+                   device: torch.device, kernel_tile_size: int = 0) -> AttentionMetadata:
+    """Slot mapping for the rows' new tokens, and either the C kernel's plan (kernel_tile_size > 0,
+    CPU) or the rows split into decode and prefill groups for torch.
 
     Decode rows (one query each) and prefill chunks are padded separately, so a long chunk never
     pads hundreds of decode rows to its length.
@@ -104,10 +133,13 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
         first = r.context_len - r.num_query
         slots.extend(r.block_table[p // block_size] * block_size + p % block_size
                      for p in range(first, r.context_len))
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    if kernel_tile_size > 0:
+        return AttentionMetadata(slot_mapping, [], build_kernel_plan(rows, kernel_tile_size))
     decode = [r for r in rows if r.num_query == 1]
     prefill = [r for r in rows if r.num_query > 1]
-    groups = [build_group(g, block_size, sliding_window, device, use_kernel) for g in (decode, prefill) if g]
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, use_kernel)
+    groups = [build_group(g, block_size, sliding_window, device) for g in (decode, prefill) if g]
+    return AttentionMetadata(slot_mapping, groups)
 
 
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -127,11 +159,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    if meta.kernel is not None:
+        plan = meta.kernel
+        return kernels.paged_attention(q, k_cache, v_cache, plan.block_tables, plan.rows, plan.context_lens,
+                                       plan.tokens, plan.tile_start, scale, window, out)
     for group in meta.groups:
-        if group.is_decode and meta.use_kernel:
-            kernels.paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scale, window,
-                                 out=out, tokens=group.out_tokens)
-            continue
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size
         qg = q[group.query_index].transpose(1, 2)                                 # (B, H, Lq, D)

@@ -20,7 +20,7 @@ class Batch:
 
 
 def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
-                device: torch.device, use_kernel: bool = False) -> Batch:
+                device: torch.device, kernel_tile_size: int = 0) -> Batch:
     input_ids: list[int] = []
     positions: list[int] = []
     rows: list[RowSpec] = []
@@ -37,7 +37,7 @@ def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=build_metadata(rows, block_size, sliding_window, device, use_kernel),
+        meta=build_metadata(rows, block_size, sliding_window, device, kernel_tile_size),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sampling_ids=sampling_ids,
     )

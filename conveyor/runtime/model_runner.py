@@ -16,14 +16,19 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        # The fused kernels take float32 and bfloat16 CPU caches; anything else takes the torch path.
-        self.use_kernel = (device.type == "cpu" and kv_cache.tensor.dtype in (torch.float32, torch.bfloat16)
-                           and kernels.has_paged_decode())
+        # The attention kernel takes float32 and bfloat16 CPU caches of a model running on the kernels;
+        # anything else takes the torch path.
+        arch = model.arch
+        uses_kernels = model.layers[0].self_attn.kernels is not None
+        self.kernel_tile_size = (
+            kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim, kv_cache.block_size)
+            if uses_kernels and device.type == "cpu" and kv_cache.tensor.dtype in (torch.float32, torch.bfloat16)
+            else 0)
 
     def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
         """Run the plan's packed batch; returns it with logits (S, V) float32 for its sampling rows."""
         batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device,
-                            self.use_kernel)
+                            self.kernel_tile_size)
         with torch.inference_mode():
             logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
                                 batch.logits_indices)

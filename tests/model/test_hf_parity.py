@@ -37,8 +37,12 @@ class PagedRunner:
 
     def __init__(self, model: LlamaModel, seed: int = 0) -> None:
         self.model = model
-        self.use_kernel = model.layers[0].self_attn.kernels is not None
-        self.cache = KVCache(model.arch, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32)
+        arch = model.arch
+        self.kernel_tile_size = (kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                                             BLOCK_SIZE)
+                                 if model.layers[0].self_attn.kernels is not None else 0)
+        self.cache = KVCache(model.arch, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                             dtype=model.embed_tokens.weight.dtype)
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
 
@@ -64,7 +68,7 @@ class PagedRunner:
             input_ids.extend(tokens)
             positions.extend(range(num_cached, context_len))
         meta = build_metadata(rows, block_size=BLOCK_SIZE, sliding_window=self.model.arch.sliding_window,
-                              device=torch.device("cpu"), use_kernel=self.use_kernel)
+                              device=torch.device("cpu"), kernel_tile_size=self.kernel_tile_size)
         num_tokens = len(input_ids)
         with torch.no_grad():
             logits = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.cache.layers,

@@ -1,0 +1,85 @@
+"""The C attention kernel equals torch's padded attention, and a query's result never depends on its step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import kernels
+from conveyor.model.attention import RowSpec, attend, build_metadata
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+CPU = torch.device("cpu")
+
+
+def make_cache(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (200, block_size, num_kv_heads, head_dim)
+    free = torch.randperm(200, generator=gen).tolist()
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype), free
+
+
+def rows_for(specs: list[tuple[int, int]], block_size: int, free: list[int]) -> list[RowSpec]:
+    """specs: (new tokens, context length after them) per row; tokens packed in order."""
+    rows, start = [], 0
+    for num_query, ctx in specs:
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        rows.append(RowSpec(token_start=start, num_query=num_query, context_len=ctx, block_table=table))
+        start += num_query
+    return rows
+
+
+def run(q, k_cache, v_cache, rows, block_size, window, tile):
+    meta = build_metadata(rows, block_size, window, CPU, kernel_tile_size=tile)
+    return attend(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window",
+                         [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 7), (6, 1, 128, 4, None)])
+def test_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, block_size, window, dtype) -> None:
+    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, dtype)
+    # Decode rows at block edges, and prompt chunks: whole prompts, a later chunk, one past a tile.
+    specs = [(1, 1), (1, block_size), (1, block_size + 1), (1, 100), (5, 5), (23, 40), (17, 17), (2, 2)]
+    rows = rows_for(specs, block_size, free)
+    total = sum(n for n, _ in specs)
+    q = torch.randn(total, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    tile = kernels.attention_tile_size(num_heads, num_kv_heads, head_dim, block_size)
+    assert tile > 0
+    ours = run(q, k_cache, v_cache, rows, block_size, window, tile)
+    theirs = run(q.float(), k_cache.float(), v_cache.float(), rows, block_size, window, 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2   # bf16: the output's own rounding
+    torch.testing.assert_close(ours.float(), theirs, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_gives_the_same_bits_in_any_step(dtype: torch.dtype) -> None:
+    """One prompt of 40 tokens: whole, in chunks of other sizes beside other rows, or one token at a time
+    as decode rows: every token's attention output is bit for bit the same."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    table = [free.pop() for _ in range(3)]
+    n = 40
+    q = torch.randn(n, num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    tile = kernels.attention_tile_size(num_heads, num_kv_heads, head_dim, block_size)
+    whole = run(q, k_cache, v_cache, [RowSpec(0, n, n, table)], block_size, None, tile)
+    for chunk in (1, 3, 16, 25):
+        for first in range(0, n, chunk):
+            size = min(chunk, n - first)
+            # An unrelated decode row ahead of the chunk shifts its packed position.
+            other = RowSpec(0, 1, 30, [free[0], free[1]])
+            qq = torch.cat([torch.randn(1, num_heads, head_dim).to(dtype), q[first:first + size]])
+            got = run(qq, k_cache, v_cache, [other, RowSpec(1, size, first + size, table)], block_size, None, tile)
+            assert torch.equal(got[1:], whole[first:first + size]), f"chunk {chunk} at {first}"
+
+
+def test_unsupported_shape_is_refused() -> None:
+    assert kernels.attention_tile_size(130, 2, 8, 4) == 0         # 65 query heads per kv head: too many
+    assert kernels.attention_tile_size(8, 2, 512, 16) == 0        # head dim past the kernel's buffers
+    q = torch.randn(1, 2, 512)
+    cache = torch.randn(2, 4, 2, 512)
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        kernels.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), one, one + 1, one,
+                                torch.tensor([0, 1]), 1.0, None, torch.empty_like(q))
