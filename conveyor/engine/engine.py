@@ -28,7 +28,7 @@ from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
-from conveyor.runtime.model_runner import ModelRunner
+from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from conveyor.sampling_params import SamplingParams
 
@@ -113,7 +113,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
                              f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.dtype)} bytes)")
-        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device,
+                                transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)

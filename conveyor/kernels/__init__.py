@@ -39,7 +39,7 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT, _I64]
     lib.rope_cache.restype = ctypes.c_int
-    lib.rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _I64]
+    lib.rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _I64]
     lib.gemm_isa.restype = ctypes.c_int
     lib.gemm_isa.argtypes = []
     return built
@@ -63,14 +63,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention for the queries listed by (rows, context_lens, tokens), in tiles given by tile_start.
 
     q, out: (T, H, D) float32 or bfloat16, each token's heads contiguous (q may be a strided view into
-    a fused qkv buffer); caches (num_blocks, block_size, KV, D) in q's dtype; block_tables (R, NB);
+    a fused qkv buffer); k_cache (num_blocks, KV, D, block_size) (keys transposed per block), v_cache
+    (num_blocks, block_size, KV, D), both in q's dtype; block_tables (R, NB);
     query i is token tokens[i] of row rows[i] and sees context_lens[i] keys. All index tensors int64.
     Returns `out`. The ctypes call releases the GIL.
     """
     built = library()
     assert built is not None and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
     _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, num_kv_heads, _, block_size = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
     status = built.lib.paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),

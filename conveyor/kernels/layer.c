@@ -71,9 +71,11 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
 }
 
 /* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. cos, sin: [T, D] float32, sin signed
- * so that rotate_half(x) * sin == roll(x, D/2) * sin. Caches: [slots, Hkv, D] in the activations' dtype. */
+ * so that rotate_half(x) * sin == roll(x, D/2) * sin. Caches in the activations' dtype, slot = block * bs
+ * + offset: keys [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values
+ * [blocks, bs, Hkv, D]. */
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int is_bf16,
+               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs, int is_bf16,
                int64_t num_threads) {
     if (D > MAX_D || D % 2) return -1;
     const int64_t half = D / 2, heads = Hq + Hkv;
@@ -90,7 +92,8 @@ int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_
             for (int64_t d = 0; d < D; d++) {
                 const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
                 store(qkv, base + d, rotated, is_bf16);
-                if (h >= Hq) store(k_cache, (slots[t] * Hkv + (h - Hq)) * D + d, rotated, is_bf16);
+                if (h >= Hq)
+                    store(k_cache, (((slots[t] / bs) * Hkv + (h - Hq)) * D + d) * bs + slots[t] % bs, rotated, is_bf16);
             }
         }
         for (int64_t h = 0; h < Hkv; h++) {

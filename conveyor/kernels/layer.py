@@ -40,11 +40,13 @@ def rope_cache(lib: KernelLibrary, qkv: torch.Tensor, num_heads: int, num_kv_hea
                v_cache: torch.Tensor) -> None:
     """Rotate q and k of qkv (T, (H + 2 KV) * D) in place and store k and v at `slots` of the caches.
 
-    cos, sin: (T, D) float32, sin signed as `RotaryEmbedding.cos_sin` makes it; caches in qkv's dtype.
+    cos, sin: (T, D) float32, sin signed as `RotaryEmbedding.cos_sin` makes it; caches in qkv's dtype,
+    k_cache (num_blocks, KV, D, block_size) (transposed keys), v_cache (num_blocks, block_size, KV, D).
     """
     assert qkv.stride(-1) == 1 and k_cache.dtype == qkv.dtype and cos.dtype == torch.float32
     status = lib.lib.rope_cache(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
                                 cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), qkv.dtype == torch.bfloat16, torch.get_num_threads())
+                                v_cache.data_ptr(), k_cache.shape[-1], qkv.dtype == torch.bfloat16,
+                                torch.get_num_threads())
     if status != 0:
         raise ValueError(f"rope_cache: unsupported head dim {head_dim}")

@@ -8,18 +8,21 @@ from conveyor.model.llama import ModelArch
 
 
 class KVCache:
-    """K and V for every layer: (num_blocks, block_size, num_kv_heads, head_dim) each.
+    """K and V for every layer: (num_blocks, block_size, num_kv_heads, head_dim) each, or for the C
+    attention kernel (`transposed_keys`) K as (num_blocks, num_kv_heads, head_dim, block_size), so that
+    a chunk of keys loads as vectors with one key per lane.
 
     slot = block_id * block_size + offset; the block manager decides which blocks a request owns.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", transposed_keys: bool = False) -> None:
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.transposed_keys = num_blocks, block_size, transposed_keys
+        k_shape = (num_blocks, arch.num_kv_heads, arch.head_dim, block_size) if transposed_keys else shape[2:]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+            (self.tensor[i, 0].view(k_shape), self.tensor[i, 1]) for i in range(arch.num_layers)]
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

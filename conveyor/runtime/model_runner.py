@@ -11,19 +11,26 @@ from conveyor.runtime.batch import Batch, build_batch
 from conveyor.runtime.kv_cache import KVCache
 
 
+def kernel_tile_size(model: LlamaModel, block_size: int, device: torch.device) -> int:
+    """Queries per tile of the C attention kernel for this model, or 0 for torch's attention.
+
+    The kernel serves a model running on the C kernels (float32 or bfloat16 on CPU) whose shape it
+    takes; its KV cache must then be built with transposed keys.
+    """
+    arch = model.arch
+    if device.type != "cpu" or model.layers[0].self_attn.kernels is None:
+        return 0
+    return kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        # The attention kernel takes float32 and bfloat16 CPU caches of a model running on the kernels;
-        # anything else takes the torch path.
-        arch = model.arch
-        uses_kernels = model.layers[0].self_attn.kernels is not None
-        self.kernel_tile_size = (
-            kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim, kv_cache.block_size)
-            if uses_kernels and device.type == "cpu" and kv_cache.tensor.dtype in (torch.float32, torch.bfloat16)
-            else 0)
+        self.kernel_tile_size = kernel_tile_size(model, kv_cache.block_size, device)
+        if kv_cache.transposed_keys != (self.kernel_tile_size > 0):
+            raise ValueError("the KV cache's key layout does not match the attention path")
 
     def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
         """Run the plan's packed batch; returns it with logits (S, V) float32 for its sampling rows."""

@@ -31,7 +31,10 @@ def rows_for(specs: list[tuple[int, int]], block_size: int, free: list[int]) -> 
 
 
 def run(q, k_cache, v_cache, rows, block_size, window, tile):
+    """k_cache (num_blocks, block_size, KV, D) as torch's path reads it; the kernel gets it transposed."""
     meta = build_metadata(rows, block_size, window, CPU, kernel_tile_size=tile)
+    if tile:
+        k_cache = k_cache.permute(0, 2, 3, 1).contiguous()
     return attend(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window)
 
 
@@ -81,5 +84,5 @@ def test_unsupported_shape_is_refused() -> None:
     cache = torch.randn(2, 4, 2, 512)
     one = torch.zeros(1, dtype=torch.long)
     with pytest.raises(ValueError, match="unsupported shape"):
-        kernels.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), one, one + 1, one,
+        kernels.paged_attention(q, cache.permute(0, 2, 3, 1), cache, torch.zeros(1, 1, dtype=torch.long), one, one + 1, one,
                                 torch.tensor([0, 1]), 1.0, None, torch.empty_like(q))

@@ -42,7 +42,7 @@ class PagedRunner:
                                                              BLOCK_SIZE)
                                  if model.layers[0].self_attn.kernels is not None else 0)
         self.cache = KVCache(model.arch, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                             dtype=model.embed_tokens.weight.dtype)
+                             dtype=model.embed_tokens.weight.dtype, transposed_keys=self.kernel_tile_size > 0)
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
 
