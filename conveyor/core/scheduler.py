@@ -141,7 +141,11 @@ class Scheduler:
             if num_new == 0:
                 return self._plan(rows, preempted)
             if not self._make_room(request, start + num_new, scheduled, preempted):
-                return self._plan(rows, preempted)  # it keeps its blocks and goes on when decodes free some
+                # Never preempt a decode already in the step: take what the free blocks hold and stop here.
+                room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size - start
+                if room > 0:
+                    self._schedule_running(request, min(room, num_new), rows, scheduled)
+                return self._plan(rows, preempted)
             self._schedule_running(request, num_new, rows, scheduled)
             budget -= num_new
 

@@ -93,7 +93,7 @@ class StepCostModel:
     change of speed becomes the majority of the window within `window` steps and is then followed.
     """
 
-    def __init__(self, prior: StepCost = DEFAULT_PRIOR, window: int = 32, prior_weight: float = 1.0,
+    def __init__(self, prior: StepCost = DEFAULT_PRIOR, window: int = 32, prior_weight: float = 0.01,
                  outlier_mads: float = 4.0) -> None:
         if window < 4 or prior_weight <= 0 or outlier_mads <= 0:
             raise ValueError(f"window >= 4, prior_weight > 0 and outlier_mads > 0 required, got "
@@ -129,10 +129,11 @@ class StepCostModel:
             median = _median(ratios)
             spread = max(_median([abs(r - median) for r in ratios]), 0.02)  # floor: clean data is not trimmed
             kept = [sample for sample, r in zip(samples, ratios) if abs(r - median) <= self.outlier_mads * spread]
-            theta = self._solve(kept)
+            theta = self._solve(kept, weigh_by=theta)
         return StepCost(theta[0], theta[1] / _TOKEN_SCALE, theta[2] / _CONTEXT_SCALE)
 
-    def _solve(self, samples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    def _solve(self, samples: list[tuple[float, float, float]],
+               weigh_by: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
         """Ridge-to-prior weighted least squares; exact non-negative solution over the 7 active sets.
 
         The prior gives the split between the three parts; its overall scale is fitted first, so a
@@ -157,7 +158,10 @@ class StepCostModel:
             rhs[k] += w * prior[k]
         for n, ctx, y in samples:
             x = (1.0, n, ctx)
-            wy = 1.0 / (y * y)
+            # Relative error: 1/t^2, with t from an earlier fit when there is one, as 1/measured^2
+            # favours the steps that happened to run fast.
+            t = y if weigh_by is None else max(_predict(weigh_by, (n, ctx, y)), 1e-9)
+            wy = 1.0 / (t * t)
             for i in range(3):
                 rhs[i] += wy * x[i] * y
                 for j in range(3):
