@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from conveyor.config import DTYPES, CacheConfig, SchedulerConfig
+from conveyor.config import BATCH_PRESETS, DTYPES, CacheConfig
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
@@ -22,10 +22,18 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "native bf16 dot products (AVX-512 BF16), float32 elsewhere")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                       help="most requests in one batch")
-    group.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                       help="most tokens computed in one step (prompt chunks fill what decodes leave)")
+    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default="balanced",
+                       help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
+                            "together; those flags, when given, win")
+    group.add_argument("--target-itl-ms", type=float, default=None,
+                       help="keep steps that decode under this many ms by cutting prompt chunks; 0 = off "
+                            "(balanced: 200)")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (balanced: 64)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most tokens computed in one step, so the largest prompt chunk (balanced: 512)")
+    group.add_argument("--min-prefill-chunk", type=int, default=None,
+                       help="prompt tokens a decoding step still takes when decodes alone miss the target "
+                            "(balanced: 32)")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB")
@@ -40,11 +48,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "dtype": args.dtype, "threads": args.threads, "device": args.device,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
+        **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """Only the flags set on the command line, so the preset fills the rest."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,15 +71,53 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class BatchPreset:
+    """Batching settings that only make sense together: the step target, the batch and chunk bounds."""
+
+    target_itl_ms: float | None       # None: steps are sized by max_num_batched_tokens alone
+    max_num_seqs: int
+    max_num_batched_tokens: int       # largest step, so largest prefill chunk
+    min_prefill_chunk: int            # prefill tokens a step still takes when decodes alone miss the target
+
+
+# Sized for a small model on a few CPU cores, where a 512-token chunk costs about a second.
+BATCH_PRESETS = {
+    "latency": BatchPreset(target_itl_ms=100.0, max_num_seqs=16, max_num_batched_tokens=256, min_prefill_chunk=16),
+    "balanced": BatchPreset(target_itl_ms=200.0, max_num_seqs=64, max_num_batched_tokens=512, min_prefill_chunk=32),
+    "throughput": BatchPreset(target_itl_ms=None, max_num_seqs=128, max_num_batched_tokens=1024,
+                              min_prefill_chunk=64),
+}
+_BALANCED = BATCH_PRESETS["balanced"]
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    """Defaults are the "balanced" preset; `from_preset` starts from another one."""
+
+    max_num_seqs: int = _BALANCED.max_num_seqs
+    max_num_batched_tokens: int = _BALANCED.max_num_batched_tokens
     max_model_len: int | None = None        # None = the model's own context length
     max_waiting_requests: int | None = None  # None = unbounded
+    target_itl_ms: float | None = _BALANCED.target_itl_ms
+    min_prefill_chunk: int = _BALANCED.min_prefill_chunk
+
+    @classmethod
+    def from_preset(cls, batch_preset: str, **overrides: Any) -> SchedulerConfig:
+        """The preset's values, with every given override winning over them."""
+        if batch_preset not in BATCH_PRESETS:
+            raise ValueError(f"batch_preset must be one of {', '.join(BATCH_PRESETS)}, got {batch_preset!r}")
+        return cls(**{**dataclasses.asdict(BATCH_PRESETS[batch_preset]), **overrides})
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("min_prefill_chunk", self.min_prefill_chunk)
+        if self.target_itl_ms is not None and (
+            isinstance(self.target_itl_ms, bool) or not isinstance(self.target_itl_ms, (int, float))
+            or not 0 < self.target_itl_ms < float("inf")
+        ):
+            raise ValueError(f"target_itl_ms must be a positive number of milliseconds or None (off), "
+                             f"got {self.target_itl_ms!r}")
         _positive("max_model_len", self.max_model_len, allow_none=True)
         if self.max_waiting_requests is not None and (
             not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0
@@ -99,8 +137,10 @@ class EngineConfig:
     def from_options(cls, **options: Any) -> EngineConfig:
         """Flat keyword options (as `LLM(**options)` or CLI flags give them) -> nested config.
 
-        Unknown names raise TypeError, so a typo never silently does nothing.
+        Unknown names raise TypeError, so a typo never silently does nothing. `batch_preset` picks
+        the scheduler defaults; scheduler options given explicitly win over it.
         """
+        batch_preset = options.pop("batch_preset", None) or "balanced"
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {
             f.name: part
@@ -113,4 +153,4 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {name!r}; known: {', '.join(sorted(owners))}")
             parts[owners[name]][name] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig(**parts["scheduler"]))
+                   SchedulerConfig.from_preset(batch_preset, **parts["scheduler"]))

@@ -8,6 +8,10 @@ covers chunked prefill, decode and resume.
     running (priority order)         waiting (priority order)
     [r0 r1 ... rk]  --decode/chunk-->  step  <--admit while budgets and blocks allow-- [w0 w1 ...]
          ^  preempt the last running when blocks run out: it returns to waiting, tokens kept
+
+A step takes every decode first, then chunks of prompts already started, then new prompts, so a
+long prompt never holds back a stream. With a cost model and a target inter-token latency, the
+prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
 from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.step_cost import PrefillBudget, StepCostModel, StepShape
 from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost_model: StepCostModel | None = None) -> None:
         self.config = config
+        self.cost_model = cost_model   # None: steps are sized by max_num_batched_tokens alone
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.clock = clock
@@ -110,24 +116,38 @@ class Scheduler:
         preempted: list[str] = []
         scheduled: set[str] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            while not self.blocks.can_allocate(request, target):
-                victim = self.running[-1]  # lowest priority, newest: never one already scheduled
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in decodes:
+            if budget == 0:
                 break
-            self.blocks.allocate(request, target)
-            rows.append(self._row(request, num_new))
-            scheduled.add(request.request_id)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a higher-priority decode in this loop
+            if not self._make_room(request, request.num_computed_tokens + 1, scheduled, preempted):
+                self._preempt(request)
+                preempted.append(request.request_id)
+                continue
+            self._schedule_running(request, 1, rows, scheduled)
+            budget -= 1
+
+        chunks = [r for r in self.running if r.request_id not in scheduled]
+        if not (chunks or self.waiting) or budget == 0:
+            return self._plan(rows, preempted)
+        prefill = self._prefill_budget(rows)
+        for request in chunks:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            start = request.num_computed_tokens
+            num_new = prefill.take(start, min(request.num_tokens - start, budget))
+            if num_new == 0:
+                return self._plan(rows, preempted)
+            if not self._make_room(request, start + num_new, scheduled, preempted):
+                # Never preempt a decode already in the step: take what the free blocks hold and stop here.
+                room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size - start
+                if room > 0:
+                    self._schedule_running(request, min(room, num_new), rows, scheduled)
+                return self._plan(rows, preempted)
+            self._schedule_running(request, num_new, rows, scheduled)
             budget -= num_new
-            i += 1
 
         # New requests join only when no running request had to give up its blocks this step.
         while (self.waiting and budget > 0 and not preempted
@@ -135,8 +155,8 @@ class Scheduler:
             request = self.waiting[0]
             cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
+            num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget))
+            if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
                 break
             self.waiting.pop(0)
             self.blocks.allocate(request, num_cached + num_new, cached_ids)
@@ -151,9 +171,7 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             rows.append(self._row(request, num_new))
             budget -= num_new
-
-        finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
+        return self._plan(rows, preempted)
 
     def update(self, plan: StepPlan, sampled: Iterable[int]) -> StepResult:
         """Advance the scheduled requests; `sampled` holds one token per sampling row, in plan order."""
@@ -186,6 +204,34 @@ class Scheduler:
         return result
 
     # ------------------------------------------------------------ internals
+
+    def _plan(self, rows: list[ScheduledRow], preempted: list[str]) -> StepPlan:
+        finished, self._finished_ids = self._finished_ids, []
+        return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
+
+    def _prefill_budget(self, rows: list[ScheduledRow]) -> PrefillBudget:
+        target_ms = self.config.target_itl_ms
+        if self.cost_model is None or target_ms is None or not rows:
+            return PrefillBudget()
+        return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
+                             StepShape.from_rows(rows))
+
+    def _make_room(self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]) -> bool:
+        """Preempt lower-priority running requests not yet in this step until `request` can grow to
+        `num_tokens`; False if even all of them are not enough."""
+        while not self.blocks.can_allocate(request, num_tokens):
+            # running is in priority order, so `request` comes up before anyone it outranks would.
+            victim = next(r for r in reversed(self.running) if r is request or r.request_id not in scheduled)
+            if victim is request:
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return True
+
+    def _schedule_running(self, request: Request, num_new: int, rows: list[ScheduledRow], scheduled: set[str]) -> None:
+        self.blocks.allocate(request, request.num_computed_tokens + num_new)
+        rows.append(self._row(request, num_new))
+        scheduled.add(request.request_id)
 
     def _row(self, request: Request, num_new: int) -> ScheduledRow:
         start = request.num_computed_tokens

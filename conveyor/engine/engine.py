@@ -21,6 +21,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.errors import InvalidRequest
@@ -116,7 +117,8 @@ class LLMEngine:
         self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device,
                                 transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock)
+        self.cost_model = StepCostModel()
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.device)
         self.stats = EngineStats()
@@ -124,6 +126,10 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
                     cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len)
+        sched = config.scheduler
+        logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d",
+                    "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
+                    sched.max_num_batched_tokens, sched.min_prefill_chunk)
 
     # ------------------------------------------------------------ requests
 
@@ -179,9 +185,11 @@ class LLMEngine:
             return []
         try:
             outputs = self._run(plan)
+            failed = False
         except Exception as exc:  # a failed step fails its own requests; the engine goes on
             logger.exception("step failed; failing its %d requests", len(plan.rows))
             outputs = self._fail(plan, f"internal error while running the model: {exc}")
+            failed = True
         step = StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
@@ -197,6 +205,8 @@ class LLMEngine:
         )
         self.stats.record(step)
         self.last_step = step
+        if not failed:   # a failed step's time says nothing about what a step costs
+            self.cost_model.observe(StepShape.from_plan(plan), step.step_time_s)
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:

@@ -46,6 +46,7 @@ METRIC_NAMES = (
     "conveyor:decode_throughput_tokens_per_second",
     "conveyor:avg_sequences_per_step",
     "conveyor:step_time_seconds",
+    "conveyor:batch_config_info",
 )
 
 
@@ -101,6 +102,13 @@ class ServerMetrics:
         self._success = Counter("conveyor:request_success_total", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        # Effective batching settings after preset and flags, as labels of a constant 1 (vLLM's *_info style).
+        sched = engine.config.scheduler
+        Gauge("conveyor:batch_config_info", "Effective batching settings (preset and flags applied).",
+              labels + ["target_itl_ms", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"],
+              registry=r).labels(model_name, "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g}",
+                                 str(sched.max_num_seqs), str(sched.max_num_batched_tokens),
+                                 str(sched.min_prefill_chunk)).set(1)
 
     # ------------------------------------------------------------ engine thread
 

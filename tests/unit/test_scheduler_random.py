@@ -19,6 +19,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.step_cost import StepCost, StepCostModel
 from conveyor.errors import ContextLengthExceeded, QueueFull
 
 STOP_TOKEN = 9
@@ -33,7 +34,10 @@ configs = st.fixed_dictionaries({
     "max_model_len": st.integers(4, 40),
     "max_waiting_requests": st.sampled_from([None, None, None, None, 0, 1, 3]),
     "enable_prefix_caching": st.booleans(),
+    "target_itl_ms": st.sampled_from([None, None, 1.0, 30.0]),   # against COST: cut chunks, or none
+    "min_prefill_chunk": st.integers(1, 4),
 })
+COST = StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=1e-5)
 seeds = st.integers(0, 2**16)
 # The last field: 0 leaves the lengths as drawn (often refused at add()), else they are fitted
 # to what the pool and max_model_len can hold.
@@ -118,8 +122,12 @@ class Harness:
     def step(self, seed: int, abort_index: int | None = None) -> StepPlan:
         rng = random.Random(seed)
         had_work = self.sched.has_unfinished()
+        ready = [r.request_id for r in self.sched.running if r.num_tokens - r.num_computed_tokens == 1]
         plan = self.sched.schedule()
         self.check_plan(plan, had_work)
+        # Decodes come first: each one runs unless it lost its blocks or the step's tokens ran out.
+        if len(ready) <= self.sched.config.max_num_batched_tokens:
+            assert set(ready) <= set(plan.num_scheduled_tokens) | set(plan.preempted_ids)
         self.audit()
         if abort_index is not None:
             self.abort(abort_index)
@@ -230,8 +238,11 @@ def run(config: dict, operations: list[tuple]) -> Harness:
     blocks = BlockManager(config["num_blocks"], config["block_size"], config["enable_prefix_caching"])
     scheduler_config = SchedulerConfig(max_num_seqs=config["max_num_seqs"],
                                        max_num_batched_tokens=config["max_num_batched_tokens"],
-                                       max_waiting_requests=config["max_waiting_requests"])
-    harness = Harness(Scheduler(scheduler_config, blocks, config["max_model_len"], FakeClock()), blocks)
+                                       max_waiting_requests=config["max_waiting_requests"],
+                                       target_itl_ms=config.get("target_itl_ms"),
+                                       min_prefill_chunk=config.get("min_prefill_chunk", 1))
+    cost_model = StepCostModel(prior=COST) if config.get("target_itl_ms") else None
+    harness = Harness(Scheduler(scheduler_config, blocks, config["max_model_len"], FakeClock(), cost_model), blocks)
     for index, op in enumerate(operations):
         kind, *args = op
         if kind == "add":
@@ -280,7 +291,8 @@ def busy_workload(seed: int) -> tuple[dict, list[tuple]]:
     config = {"block_size": rng.choice([2, 4]), "num_blocks": rng.randint(4, 12),
               "max_num_seqs": rng.randint(2, 8), "max_num_batched_tokens": rng.randint(4, 32),
               "max_model_len": 48, "max_waiting_requests": None,
-              "enable_prefix_caching": rng.random() < 0.7}
+              "enable_prefix_caching": rng.random() < 0.7,
+              "target_itl_ms": rng.choice([None, 1.0, 30.0]), "min_prefill_chunk": rng.randint(1, 4)}
     operations: list[tuple] = []
     for _ in range(rng.randint(20, 60)):
         roll = rng.random()

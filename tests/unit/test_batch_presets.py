@@ -1,0 +1,71 @@
+"""Batch presets: what each sets, explicit options and flags winning over them, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.cli import build_parser, engine_options
+from conveyor.config import BATCH_PRESETS, EngineConfig, SchedulerConfig
+
+
+def scheduler_from_flags(*flags: str) -> SchedulerConfig:
+    return EngineConfig.from_options(**engine_options(build_parser().parse_args(["serve", *flags]))).scheduler
+
+
+def test_defaults_are_the_balanced_preset() -> None:
+    assert SchedulerConfig() == SchedulerConfig.from_preset("balanced")
+    assert EngineConfig.from_options().scheduler == SchedulerConfig()
+    assert scheduler_from_flags() == SchedulerConfig()
+    assert SchedulerConfig().target_itl_ms == 200.0
+
+
+@pytest.mark.parametrize("name", list(BATCH_PRESETS))
+def test_a_preset_sets_target_batch_and_chunk_bounds_together(name: str) -> None:
+    preset = BATCH_PRESETS[name]
+    for config in (SchedulerConfig.from_preset(name), EngineConfig.from_options(batch_preset=name).scheduler,
+                   scheduler_from_flags("--batch-preset", name)):
+        assert (config.target_itl_ms, config.max_num_seqs, config.max_num_batched_tokens,
+                config.min_prefill_chunk) == (preset.target_itl_ms, preset.max_num_seqs,
+                                              preset.max_num_batched_tokens, preset.min_prefill_chunk)
+
+
+def test_presets_go_from_short_steps_to_large_ones() -> None:
+    latency, balanced, throughput = (BATCH_PRESETS[n] for n in ("latency", "balanced", "throughput"))
+    assert latency.target_itl_ms < balanced.target_itl_ms and throughput.target_itl_ms is None
+    assert latency.max_num_seqs < balanced.max_num_seqs < throughput.max_num_seqs
+    assert latency.max_num_batched_tokens < balanced.max_num_batched_tokens < throughput.max_num_batched_tokens
+
+
+def test_explicit_options_win_over_the_preset() -> None:
+    config = EngineConfig.from_options(batch_preset="throughput", max_num_seqs=3, target_itl_ms=150.0).scheduler
+    assert (config.max_num_seqs, config.target_itl_ms) == (3, 150.0)
+    assert config.max_num_batched_tokens == BATCH_PRESETS["throughput"].max_num_batched_tokens
+    config = EngineConfig.from_options(batch_preset="latency", target_itl_ms=None).scheduler
+    assert config.target_itl_ms is None and config.max_num_seqs == BATCH_PRESETS["latency"].max_num_seqs
+
+
+def test_explicit_flags_win_over_the_preset_and_zero_turns_the_target_off() -> None:
+    config = scheduler_from_flags("--batch-preset", "latency", "--max-num-batched-tokens", "100",
+                                  "--max-num-seqs", "5", "--min-prefill-chunk", "8", "--target-itl-ms", "0")
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.min_prefill_chunk) == (100, 5, 8)
+    assert config.target_itl_ms is None
+    config = scheduler_from_flags("--batch-preset", "throughput", "--target-itl-ms", "250")
+    assert config.target_itl_ms == 250.0 and config.max_num_seqs == BATCH_PRESETS["throughput"].max_num_seqs
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(batch_preset="fastest"), "batch_preset"),
+    (dict(target_itl_ms=0), "target_itl_ms"),
+    (dict(target_itl_ms=-5.0), "target_itl_ms"),
+    (dict(target_itl_ms=float("nan")), "target_itl_ms"),
+    (dict(target_itl_ms=True), "target_itl_ms"),
+    (dict(min_prefill_chunk=0), "min_prefill_chunk"),
+])
+def test_bad_values_are_refused_by_name(options: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_options(**options)
+
+
+def test_an_unknown_preset_flag_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--batch-preset", "fastest"])
