@@ -386,7 +386,7 @@ def print_summary(document: dict, out_json: Path | None) -> None:
               + (f", llama-server-f32 --parallel 1 {single['llama-server-f32/p1_tok_s']:.1f} tok/s"
                  if single["llama-server-f32/p1_tok_s"] else ""))
     if document["goals"]:
-        print("\ngoals (issue 5):")
+        print("\ngoals:")
         print(report.goals_text(document["goals"]))
     if out_json is not None:
         print(f"\nJSON: {out_json}")
