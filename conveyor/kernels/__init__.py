@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from conveyor.kernels import decoder
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
 __all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "attention_tile_size",
@@ -40,6 +41,7 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     lib.silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT, _I64]
     lib.rope_cache.restype = ctypes.c_int
     lib.rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _I64]
+    decoder.declare(lib)
     lib.gemm_isa.restype = ctypes.c_int
     lib.gemm_isa.argtypes = []
     return built

@@ -90,17 +90,12 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.kernels: KernelLibrary | None = None   # set by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
-        if self.kernels is not None:
-            act = layer_kernels.silu_mul(self.kernels, gate_up.view(-1, gate_up.shape[-1]))
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        return linear_residual(self.down_proj, act, residual)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear_residual(self.down_proj, F.silu(gate) * up, residual)
 
 
 def linear_residual(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelLibrary
-from conveyor.kernels import layer as layer_kernels
+from conveyor.kernels import decoder as decoder_kernel
 from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.kernels.gemm import can_pack
-from conveyor.model.attention import AttentionMetadata, attend, paged_attention
+from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear_residual
 
 
@@ -63,21 +63,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
-        self.kernels: KernelLibrary | None = None   # set by LlamaModel.use_kernels
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """o_proj(attention(x)), plus `residual` when given (which may be overwritten with the sum)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)                                             # (T, (H + 2KV) * D)
-        if self.kernels is not None and meta.use_kernel:
-            # One pass rotates q and k in place and stores k and v; q is then read in place.
-            layer_kernels.rope_cache(self.kernels, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                     cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
-            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            out = attend(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
-            return linear_residual(self.o_proj, out.view(num_tokens, self.q_size), residual)
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         # q and k are adjacent in qkv: rotate them in one pass.
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
@@ -94,11 +85,24 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.fused: decoder_kernel.LayerParams | None = None   # the whole layer in one C call, when set
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+    def fuse(self) -> bool:
+        """Describe this layer to the one-call C kernel; False if a part of it cannot run there."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return False
+        self.fused = decoder_kernel.layer_params(
+            self.input_layernorm.weight, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm.weight,
+            mlp.gate_up_proj, mlp.down_proj, eps=self.input_layernorm.eps, heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, window=attn.window, scale=attn.scale)
+        return True
 
 
 class LlamaModel(nn.Module):
@@ -112,6 +116,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head: nn.Module | None = (None if arch.tie_word_embeddings
                                           else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self.kernels: KernelLibrary | None = None   # set by use_kernels when every layer runs in C
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -121,19 +126,34 @@ class LlamaModel(nn.Module):
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
         x = self.embed_tokens(input_ids)                                   # (T, hidden), a fresh tensor
         cos, sin = self.rotary.cos_sin(positions)                          # (T, D) float32 each
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+        if self.kernels is not None and meta.kernel is not None:
+            self._fused_layers(x, cos, sin, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[logits_indices])                                   # (S, hidden)
         logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
         return logits.float()                                              # (S, V)
 
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every layer as one C call, updating x in place."""
+        num_tokens = x.shape[0]
+        first = self.layers[0].fused
+        scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
+        step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
+                                          kv_caches[0][1].shape[1], x.dtype == torch.bfloat16)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            decoder_kernel.run_layer(self.kernels, x, layer.fused, step, k_cache, v_cache, scratch)
+
     def use_kernels(self, lib: KernelLibrary) -> None:
-        """Run the decoder through the C kernels: packed matmuls for every linear layer (and a tied output
-        layer), and the fused elementwise kernels. Call after load_weights; float32 and bfloat16 only."""
+        """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each
+        decoder layer as one C call when all of it can run there. Call after load_weights; float32 and
+        bfloat16 only. The C layers need the attention kernel's metadata (`meta.kernel`) to run."""
         if self.embed_tokens.weight.dtype not in KERNEL_DTYPES:
             return
         for module in list(self.modules()):
-            if isinstance(module, (Attention, RMSNorm, GatedMLP)):
+            if isinstance(module, RMSNorm):
                 module.kernels = lib
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and can_pack(child.weight):
@@ -141,6 +161,8 @@ class LlamaModel(nn.Module):
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             # The embedding keeps its own table for lookups; the packed copy serves the logits.
             self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
+        if all([layer.fuse() for layer in self.layers]):
+            self.kernels = lib
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -18,7 +18,7 @@ def kernel_tile_size(model: LlamaModel, block_size: int, device: torch.device) -
     takes; its KV cache must then be built with transposed keys.
     """
     arch = model.arch
-    if device.type != "cpu" or model.layers[0].self_attn.kernels is None:
+    if device.type != "cpu" or model.kernels is None:
         return 0
     return kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size)
 

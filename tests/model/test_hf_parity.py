@@ -23,7 +23,7 @@ from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
 MODEL_NAMES = ("llama", "llama_untied", "qwen2", "mistral")
-# The torch ops, and the C kernels (packed matmuls, fused norm/RoPE/cache write, decode attention).
+# The torch ops, and the C kernels (packed matmuls, each decoder layer as one C call, paged attention).
 PATHS = ("torch", "kernels") if kernels.library() is not None else ("torch",)
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
@@ -40,7 +40,7 @@ class PagedRunner:
         arch = model.arch
         self.kernel_tile_size = (kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                                              BLOCK_SIZE)
-                                 if model.layers[0].self_attn.kernels is not None else 0)
+                                 if model.kernels is not None else 0)
         self.cache = KVCache(model.arch, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                              dtype=model.embed_tokens.weight.dtype, transposed_keys=self.kernel_tile_size > 0)
         self.free_blocks = list(range(NUM_BLOCKS))
@@ -124,7 +124,7 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
     name, ours, hf = models
     arch = ours.arch
     assert arch.tie_word_embeddings == (name in ("llama", "qwen2"))
-    if ours.layers[0].self_attn.kernels is None:   # with kernels a tied output layer gets a packed copy
+    if ours.kernels is None:   # with kernels a tied output layer gets a packed copy
         assert (ours.lm_head is None) == arch.tie_word_embeddings
     if name == "qwen2":
         bias = ours.layers[0].self_attn.qkv_proj.bias

@@ -1,0 +1,71 @@
+/* One decoder layer of the Llama family in one call, from the kernels of gemm.c, layer.c, attention.c:
+ *
+ *   h = rmsnorm(x) -> qkv = h Wqkv (+b) -> rope q, k; k, v into the cache -> a = attention(q)
+ *   x += a Wo (+b) -> h = rmsnorm(x) -> g = h Wgu (+b) -> m = silu(g) * u -> x += m Wd (+b)
+ *
+ * The residual stream x [T, hidden] is updated in place. The same arithmetic as calling each kernel
+ * from Python, without a Python round trip per operation (which costs more than a decode step's
+ * elementwise work). Weights are packed panels (gemm.c); activations float32 or bfloat16.
+ */
+#include <stdint.h>
+
+int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
+             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *res,
+              int64_t ldr, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
+void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
+             int is_bf16, int64_t num_threads);
+int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs, int is_bf16,
+               int64_t num_threads);
+void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
+              int64_t num_threads);
+int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
+                    int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
+                    const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
+                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int is_bf16);
+
+/* Per-layer constants, set once at load. Pointers: packed weights, optional biases (NULL: none). */
+typedef struct {
+    const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
+    float eps, scale;
+} layer_t;
+
+/* Per-step inputs shared by every layer: RoPE tables, cache slots and the attention plan. */
+typedef struct {
+    int64_t T;
+    const float *cos, *sin;
+    const int64_t *slots, *tables, *rows, *ctx_lens, *tokens, *tile_start;
+    int64_t max_blocks, tiles, block_size, num_threads;
+    int is_bf16;
+} step_t;
+
+static int linear(const step_t *s, const void *x, int64_t ldx, const void *w, const void *bias, const void *res,
+                  void *y, int64_t N, int64_t K) {
+    if (s->is_bf16)
+        return gemm_bf16(x, ldx, w, bias, res, N, y, N, s->T, N, K, s->num_threads);
+    return gemm_f32(x, ldx, w, bias, res, N, y, N, s->T, N, K, s->num_threads);
+}
+
+/* scratch: T * (hidden + qkv width + q width + 2 * intermediate + intermediate) elements of the dtype. */
+int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, void *v_cache, void *scratch) {
+    const int64_t T = s->T, E = s->is_bf16 ? 2 : 4, hidden = l->hidden, D = l->head_dim;
+    const int64_t q_width = l->heads * D, qkv_width = (l->heads + 2 * l->kv_heads) * D, I = l->intermediate;
+    char *h = scratch, *qkv = h + T * hidden * E, *attn = qkv + T * qkv_width * E;
+    char *gate_up = attn + T * q_width * E, *act = gate_up + T * 2 * I * E;
+    int status = 0;
+    rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
+    status |= linear(s, h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden);
+    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, s->cos, s->sin, s->slots, k_cache, v_cache,
+                         s->block_size, s->is_bf16, s->num_threads);
+    status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
+                              s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
+                              l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16);
+    status |= linear(s, attn, q_width, l->o, l->o_bias, x, x, hidden, q_width);
+    rmsnorm(x, hidden, l->ln2, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
+    status |= linear(s, h, hidden, l->gate_up, l->gate_up_bias, 0, gate_up, 2 * I, hidden);
+    silu_mul(gate_up, 2 * I, act, I, T, I, s->is_bf16, s->num_threads);
+    status |= linear(s, act, I, l->down, l->down_bias, x, x, hidden, I);
+    return status ? -1 : 0;
+}

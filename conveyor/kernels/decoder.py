@@ -1,0 +1,66 @@
+"""A whole decoder layer in one C call (decoder.c): the per-layer constants are set once, the per-step
+inputs once per forward, so a step costs one Python round trip per layer instead of one per operation."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from conveyor.kernels.build import KernelLibrary
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class LayerParams(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up",
+                                        "gate_up_bias", "down", "down_bias")] + \
+               [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
+               [("eps", _F32), ("scale", _F32)]
+
+
+class StepParams(ctypes.Structure):
+    _fields_ = [("T", _I64), ("cos", _P), ("sin", _P)] + \
+               [(name, _P) for name in ("slots", "tables", "rows", "ctx_lens", "tokens", "tile_start")] + \
+               [(name, _I64) for name in ("max_blocks", "tiles", "block_size", "num_threads")] + \
+               [("is_bf16", ctypes.c_int)]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.decoder_layer.restype = ctypes.c_int
+    lib.decoder_layer.argtypes = [_P, ctypes.POINTER(LayerParams), ctypes.POINTER(StepParams), _P, _P, _P]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_params(ln1: torch.Tensor, qkv, o, ln2: torch.Tensor, gate_up, down, *, eps: float, heads: int,
+                 kv_heads: int, head_dim: int, window: int | None, scale: float) -> LayerParams:
+    """From a layer's norm weights and packed linears (objects with .packed, .bias, shapes)."""
+    return LayerParams(
+        _ptr(ln1), _ptr(qkv.packed), _ptr(qkv.bias), _ptr(o.packed), _ptr(o.bias), _ptr(ln2),
+        _ptr(gate_up.packed), _ptr(gate_up.bias), _ptr(down.packed), _ptr(down.bias),
+        o.out_features, heads, kv_heads, head_dim, down.in_features, window or 0, eps, scale)
+
+
+def scratch_elements(params: LayerParams, num_tokens: int) -> int:
+    qkv = (params.heads + 2 * params.kv_heads) * params.head_dim
+    return num_tokens * (params.hidden + qkv + params.heads * params.head_dim + 3 * params.intermediate)
+
+
+def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, plan,
+                block_size: int, is_bf16: bool) -> StepParams:
+    """plan: the attention metadata's KernelPlan. The tensors must outlive the calls."""
+    return StepParams(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.block_tables.data_ptr(),
+                      plan.rows.data_ptr(), plan.context_lens.data_ptr(), plan.tokens.data_ptr(),
+                      plan.tile_start.data_ptr(), plan.block_tables.shape[1], plan.tile_start.shape[0] - 1,
+                      block_size, torch.get_num_threads(), is_bf16)
+
+
+def run_layer(lib: KernelLibrary, x: torch.Tensor, layer: LayerParams, step: StepParams, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
+    """x (T, hidden) contiguous, updated in place."""
+    if lib.lib.decoder_layer(x.data_ptr(), ctypes.byref(layer), ctypes.byref(step), k_cache.data_ptr(),
+                             v_cache.data_ptr(), scratch.data_ptr()) != 0:
+        raise ValueError("decoder_layer: a kernel refused its shapes")
