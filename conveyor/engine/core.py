@@ -21,8 +21,18 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
-from conveyor.engine.messages import CoreInfo, CoreLoad, CoreRequest, RequestMetrics, StepOutputs, TokenDelta
+from conveyor.engine.messages import (
+    CommandKind,
+    CoreCommand,
+    CoreInfo,
+    CoreLoad,
+    CoreRequest,
+    RequestMetrics,
+    StepOutputs,
+    TokenDelta,
+)
 from conveyor.engine.stats import EngineStats, StepStats
+from conveyor.errors import ConveyorError
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.runtime.kv_cache import KVCache
@@ -72,6 +82,9 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self._live: dict[str, _Live] = {}
         self._pending: list[TokenDelta] = []     # finished from outside since the last step
+        self._rejected: list[tuple[str, ConveyorError]] = []
+        self._has_news = False                   # commands applied since the last StepOutputs
+        self._num_added = 0                      # requests taken from ADD commands since then
         self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started)
@@ -116,6 +129,46 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def handle(self, command: CoreCommand) -> None:
+        """Apply one command from the front. A refused add is reported in the next StepOutputs."""
+        self._has_news = True
+        if command.kind is CommandKind.ADD:
+            self._num_added += len(command.payload)
+            for core_request in command.payload:
+                try:
+                    self.add(core_request)
+                except ConveyorError as exc:
+                    self._rejected.append((core_request.request_id, exc))
+                except Exception as exc:  # a bug in admission fails this request, not the core
+                    logger.exception("adding request %s failed", core_request.request_id)
+                    self._rejected.append((core_request.request_id,
+                                           ConveyorError(f"internal error while adding the request: {exc}")))
+        elif command.kind is CommandKind.ABORT:
+            for request_id in command.payload:
+                self.abort(request_id)
+        elif command.kind is CommandKind.FINISH:
+            for request_id, stop in command.payload:
+                self.finish(request_id, FinishReason.STOP, stop)
+
+    def has_news(self) -> bool:
+        """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
+        return self._has_news or bool(self._pending) or bool(self._rejected)
+
+    def step_or_fail(self) -> StepOutputs:
+        """`step`, except that a bug outside the model run fails every request instead of the caller."""
+        try:
+            return self.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing all %d requests", len(self._live))
+            deltas = self._pending
+            self._pending = []
+            for request_id in list(self._live):
+                live = self._live.pop(request_id)
+                self.scheduler.finish(request_id, FinishReason.ERROR)
+                deltas.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
+                                         error=f"engine error: {exc}", metrics=self._metrics(live.request)))
+            return self._outputs(deltas, None)
+
     def load(self) -> CoreLoad:
         return CoreLoad(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.num_used_blocks,
                         self.blocks.usage)
@@ -129,7 +182,7 @@ class EngineCore:
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return StepOutputs(deltas, self.load())
+            return self._outputs(deltas, None)
         try:
             deltas += self._run(plan)
         except Exception as exc:  # a failed step fails its own requests; the engine goes on
@@ -150,7 +203,13 @@ class EngineCore:
         )
         self.stats.record(step)
         self.last_step = step
-        return StepOutputs(deltas, self.load(), step)
+        return self._outputs(deltas, step)
+
+    def _outputs(self, deltas: list[TokenDelta], step: StepStats | None) -> StepOutputs:
+        rejected, self._rejected = self._rejected, []
+        num_added, self._num_added = self._num_added, 0
+        self._has_news = False
+        return StepOutputs(deltas, self.load(), step, rejected, num_added)
 
     def _run(self, plan: StepPlan) -> list[TokenDelta]:
         batch, logits = self.runner.execute(plan)

@@ -121,6 +121,7 @@ class StepOutputs:
     load: CoreLoad
     step: StepStats | None = None                                          # None: no step ran
     rejected: list[tuple[str, ConveyorError]] = field(default_factory=list)  # adds the core refused
+    num_added: int = 0                                                       # adds received, refused or not
 
 
 # ------------------------------------------------------------------ front output

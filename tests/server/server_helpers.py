@@ -1,6 +1,7 @@
 """Helpers for the server tests: a real server in a background thread on a free loopback port, /metrics.
 
-Each server is the one `conveyor serve` builds (`build_server`), bound to port 0. Engines are small
+Each server is the one `conveyor serve --no-core-process` builds (`build_server`), bound to port 0, so a
+test can reach into its engine core; test_core_process.py covers the core in its own process. Engines are small
 (64 MiB of KV cache, two threads) so the whole suite stays within a few minutes on two cores.
 """
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.serve import ConveyorServer, build_server
 
@@ -51,9 +52,9 @@ def start_server(model: Path | None, *, api_key: str | None = None, max_waiting_
                  **engine_options: Any) -> RunningServer:
     options = {**SMALL_ENGINE, **engine_options}
     engine = LLMEngine(EngineConfig.from_options(model=str(model) if model is not None else None, **options))
-    server = build_server(engine, host="127.0.0.1", port=0, api_key=api_key,
-                          max_waiting_requests=max_waiting_requests, shutdown_grace_s=shutdown_grace_s,
-                          max_body_bytes=max_body_bytes)
+    server = build_server(engine, server=ServerConfig(
+        host="127.0.0.1", port=0, api_key=api_key, max_waiting_requests=max_waiting_requests,
+        shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes, core_process=False))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
