@@ -11,6 +11,7 @@ restarted under live connections whose KV state is gone.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -30,6 +31,7 @@ from conveyor.server.app import build_app
 logger = logging.getLogger(__name__)
 
 _CONNECTION_CLOSE_S = 5.0   # after the engine stopped, every response is complete; this only bounds stragglers
+_DEAD_CORE_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes, for load balancers to see
 
 
 class ConveyorServer(uvicorn.Server):
@@ -49,7 +51,7 @@ class ConveyorServer(uvicorn.Server):
 
     def _core_died(self, reason: str) -> None:
         self.exit_code = 1
-        self.should_exit = True
+        asyncio.get_running_loop().call_later(_DEAD_CORE_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in getattr(self, "servers", []):

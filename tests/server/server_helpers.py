@@ -113,3 +113,71 @@ def sse_events(lines: list[str]) -> list[dict | str]:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live (not zombie) children of a process, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def is_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core process of a `conveyor serve` process (not multiprocessing's resource tracker)."""
+    for pid in child_pids(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"no engine core process under {server_pid}: {child_pids(server_pid)}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_server_process(model: Path, *flags: str) -> tuple[Any, str]:
+    """`python -m conveyor serve` on a free loopback port, once /health says 200: (Popen, base URL).
+
+    The server leads a process group of its own, so a test can signal the group as a terminal does.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conveyor", "serve", "--model", str(model), "--port", str(port), "--threads", "1",
+         "--kv-cache-memory", "64MiB", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read() if process.stdout else "server exited")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.1)
