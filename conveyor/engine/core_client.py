@@ -55,8 +55,11 @@ def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand]
             if command.kind is CommandKind.SHUTDOWN:
                 return
             core.handle(command)
-        if core.has_unfinished_requests() or core.has_news():
-            send(core.step_or_fail())
+        has_news = core.has_news()
+        if core.has_unfinished_requests() or has_news:
+            outputs = core.step_or_fail()
+            if has_news or outputs.step is not None or outputs.deltas:   # an empty plan owes nothing
+                send(outputs)
 
 
 class ThreadCoreClient:
