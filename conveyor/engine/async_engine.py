@@ -89,26 +89,28 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ requests
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        """Raise 503 when not accepting, QueueFull if num_new more would pass the waiting-queue bound."""
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """The admission check, once per HTTP request: raise now for a request that could never run
+        (400), past the waiting-queue bound (429), or while not accepting (503)."""
+        for prompt_token_ids in prompts:
+            check_request(prompt_token_ids, params, self.info)
+        self._check_accepting()
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting + len(prompts) > limit:
+            raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
+
+    def _check_accepting(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if not self.is_accepting:
             raise EngineDeadError("the server is shutting down")
-        limit = self.max_waiting_requests
-        if limit is not None and self.num_waiting + num_new > limit:
-            raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The admission check: raise now, in the caller, for a request that could never run."""
-        check_request(prompt_token_ids, params, self.info)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs. Leaving the iteration early (a client gone) aborts it."""
+        """Stream one request's outputs, for a request that passed `admit`. Leaving the iteration
+        early (a client gone) aborts it."""
         request_id = request_id or uuid.uuid4().hex
-        self.validate(prompt_token_ids, params)
-        self.check_capacity()
+        self._check_accepting()   # the state may have changed since admission; nothing else has
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
         self.processor.add(request_id, prompt_token_ids, params)
