@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
-from server_helpers import child_pids, core_pid, is_alive, launch_server_process, sse_events, wait_for
+from server_helpers import child_pids, core_pid, is_alive, launch_server_process, metrics, sse_events, wait_for
 
 
 def test_core_killed_fails_requests_in_flight_and_the_server_exits_1(tiny_checkpoint: Path) -> None:
@@ -70,10 +73,22 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
     process, base = launch_server_process(tiny_checkpoint)
     try:
         core = core_pid(process.pid)
-        response = httpx.post(f"{base}/v1/completions", timeout=30,
-                              json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "stop": ["zzz"]})
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
-        assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        body = {"prompt": "hello", "max_tokens": 24, "ignore_eos": True, "temperature": 0, "logprobs": 2}
+        whole = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
+        text = whole["choices"][0]["text"]
+        assert whole["usage"]["completion_tokens"] == 24 and len(whole["choices"][0]["logprobs"]["tokens"]) == 24
+        # A stop string found by the front ends the stream there, and the core frees the request.
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=30,
+                          json={**body, "stream": True, "stop": [stop]}) as response:
+            events = sse_events(list(response.iter_lines()))
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:text.index(stop)]
+        # A client that leaves mid-stream has its request aborted in the core.
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=30,
+                          json={"prompt": "bye", "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+            next(response.iter_lines())
+        wait_for(lambda: metrics(base)["conveyor:num_requests_running"] == 0, 10, "the aborted request to go")
         os.killpg(process.pid, signal.SIGINT)   # as Ctrl-C does: the core gets it too, and must not die of it
         exit_code = process.wait(timeout=30)
     finally:
@@ -84,3 +99,13 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
     assert exit_code == 0, log
     assert "engine core process" in log and "ready" in log
     wait_for(lambda: not is_alive(core), 10, "the core to stop")
+
+
+def test_core_start_up_error_is_reported_and_exits_2(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    result = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--model", str(broken), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "is not a readable safetensors file" in result.stderr   # raised in the core, shown by the front
