@@ -2,7 +2,9 @@
 
 Synchronous and single-threaded: the offline API and `conveyor generate` call `step()` in a loop.
 Text (tokenization, detokenization, stop strings) is done here, tokens in the core; the server
-splits the same two halves across processes (`async_engine.py`, `core_process.py`).
+splits the same two halves across processes (`async_engine.py`, `core_process.py`). Offline, the
+core stays in this process: with no event loop to share the GIL with, a core process would only
+add its start-up (about 5 s to spawn and import torch) and a pickle per step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conveyor.config import EngineConfig
 from conveyor.core.request import FinishReason
@@ -20,6 +24,13 @@ from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.core.block_manager import BlockManager
+    from conveyor.core.scheduler import Scheduler
+    from conveyor.engine.stats import EngineStats, StepStats
+    from conveyor.model.llama import LlamaModel
+    from conveyor.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +48,7 @@ class LLMEngine:
 
     # The core's parts, for callers that look inside (tests, the benchmark).
     @property
-    def model_path(self):  # noqa: ANN201 - a Path
+    def model_path(self) -> Path:
         return self.core.model_path
 
     @property
@@ -45,27 +56,27 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
-    def scheduler(self):  # noqa: ANN201 - the core's Scheduler
+    def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     @property
-    def blocks(self):  # noqa: ANN201 - the core's BlockManager
+    def blocks(self) -> BlockManager:
         return self.core.blocks
 
     @property
-    def runner(self):  # noqa: ANN201 - the core's ModelRunner
+    def runner(self) -> ModelRunner:
         return self.core.runner
 
     @property
-    def model(self):  # noqa: ANN201 - the core's LlamaModel
+    def model(self) -> LlamaModel:
         return self.core.model
 
     @property
-    def stats(self):  # noqa: ANN201 - the core's EngineStats
+    def stats(self) -> EngineStats:
         return self.core.stats
 
     @property
-    def last_step(self):  # noqa: ANN201 - the core's last StepStats
+    def last_step(self) -> StepStats | None:
         return self.core.last_step
 
     # ------------------------------------------------------------ requests
