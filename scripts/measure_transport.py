@@ -100,11 +100,15 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=2000)
     args = parser.parse_args()
     sizes = (len(pickle.dumps(command(), protocol=5)), len(pickle.dumps(step_outputs(args.rows), protocol=5)))
-    started = time.perf_counter()
-    pickle.loads(pickle.dumps(step_outputs(args.rows), protocol=5))
-    codec_s = time.perf_counter() - started
+    outputs = step_outputs(args.rows)
+    codec_times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        pickle.loads(pickle.dumps(outputs, protocol=5))
+        codec_times.append(time.perf_counter() - started)
+    codec_s = statistics.median(codec_times)
     print(f"pickled sizes: add command {sizes[0]} B, step outputs of {args.rows} rows {sizes[1]} B; "
-          f"step outputs encode+decode {codec_s * 1e6:.0f} us")
+          f"step outputs pickle+unpickle {codec_s * 1e6:.0f} us (median)")
     print(summary("pipe", measure_pipe(args.rows, args.n)))
     try:
         print(summary("zmq", measure_zmq(args.rows, args.n)))
