@@ -87,7 +87,7 @@ class EngineCore:
         self._num_added = 0                      # requests taken from ADD commands since then
         self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
-                             startup_s=time.perf_counter() - started)
+                             startup_s=time.perf_counter() - started, num_threads=torch.get_num_threads())
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
                     num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,
                     self.info.startup_s)

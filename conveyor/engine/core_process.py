@@ -109,8 +109,8 @@ class ProcessCoreClient:
             self.kill()
             raise
         logger.info("engine core process %d ready %.2f s after spawn (%.2f s loading the model and KV cache, "
-                    "the rest starting Python and importing torch)", self.process.pid,
-                    time.perf_counter() - self._started_s, self.info.startup_s)
+                    "the rest starting Python and importing torch); %d torch threads", self.process.pid,
+                    time.perf_counter() - self._started_s, self.info.startup_s, self.info.num_threads)
         return self.info
 
     def _wait_ready(self) -> CoreInfo:

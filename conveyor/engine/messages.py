@@ -60,6 +60,7 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     startup_s: float                 # model load and cache allocation inside the core
+    num_threads: int = 1             # torch intra-op threads the core computes with
 
 
 @dataclass(slots=True)

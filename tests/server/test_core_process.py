@@ -97,7 +97,7 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
             process.wait()
     log = process.stdout.read() if process.stdout else ""
     assert exit_code == 0, log
-    assert "engine core process" in log and "ready" in log
+    assert "engine core process" in log and "1 torch threads" in log   # --threads 1 reached the core
     wait_for(lambda: not is_alive(core), 10, "the core to stop")
 
 
