@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 
-from conveyor.engine.messages import CommandKind, CoreCommand, CoreLoad, CoreRequest, StepOutputs, TokenDelta
+from conveyor.engine.messages import AddRequests, CoreLoad, CoreRequest, StepOutputs, TokenDelta
 from conveyor.engine.stats import StepStats
 from conveyor.sampling_params import SamplingParams
 
@@ -26,10 +26,10 @@ def step_outputs(rows: int) -> StepOutputs:
                        CoreLoad(rows, 0, 100, 0.1), stats)
 
 
-def command() -> CoreCommand:
+def command() -> AddRequests:
     request = CoreRequest("cmpl-" + "0" * 32, list(range(200)), SamplingParams(max_tokens=64), frozenset({2}),
                           time.monotonic())
-    return CoreCommand(CommandKind.ADD, [request])
+    return AddRequests([request])
 
 
 def pipe_echo(conn, rows: int) -> None:  # noqa: ANN001

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from conveyor.engine.admission import check_request
 from conveyor.engine.core_client import CoreClient
 from conveyor.engine.messages import (
-    CommandKind,
-    CoreCommand,
+    AbortRequests,
+    AddRequests,
     CoreLoad,
     CoreRequest,
+    FinishRequests,
     RequestOutput,
     StepOutputs,
 )
@@ -81,7 +82,7 @@ class AsyncEngine:
         while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._queues:
-            self.client.send(CoreCommand(CommandKind.ABORT, list(self._queues)))
+            self.client.send(AbortRequests(list(self._queues)))
             self._fail_all(EngineDeadError("the server is shutting down"))
         if self._started and self.dead_reason is None:
             self._started = False
@@ -115,7 +116,7 @@ class AsyncEngine:
         self._queues[request_id] = outputs
         self.processor.add(request_id, prompt_token_ids, params)
         self._num_in_transit += 1
-        self.client.send(CoreCommand(CommandKind.ADD, [CoreRequest(
+        self.client.send(AddRequests([CoreRequest(
             request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, self.clock(), priority)]))
         finished = False
         try:
@@ -137,7 +138,7 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
         self.processor.drop(request_id)
         if self.dead_reason is None:
-            self.client.send(CoreCommand(CommandKind.ABORT, [request_id]))
+            self.client.send(AbortRequests([request_id]))
 
     # ------------------------------------------------------------ from the core (on the event loop)
 
@@ -153,7 +154,7 @@ class AsyncEngine:
                 self._put(delta.request_id, output)
         stop_hits = self.processor.take_stop_hits()
         if stop_hits:
-            self.client.send(CoreCommand(CommandKind.FINISH, stop_hits))
+            self.client.send(FinishRequests(stop_hits))
         for observer in self.observers:
             try:
                 observer(outputs)

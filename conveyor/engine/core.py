@@ -22,8 +22,10 @@ from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.messages import (
-    CommandKind,
+    AbortRequests,
+    AddRequests,
     CoreCommand,
+    FinishRequests,
     CoreInfo,
     CoreLoad,
     CoreRequest,
@@ -132,9 +134,9 @@ class EngineCore:
     def handle(self, command: CoreCommand) -> None:
         """Apply one command from the front. A refused add is reported in the next StepOutputs."""
         self._has_news = True
-        if command.kind is CommandKind.ADD:
-            self._num_added += len(command.payload)
-            for core_request in command.payload:
+        if isinstance(command, AddRequests):
+            self._num_added += len(command.requests)
+            for core_request in command.requests:
                 try:
                     self.add(core_request)
                 except ConveyorError as exc:
@@ -143,11 +145,11 @@ class EngineCore:
                     logger.exception("adding request %s failed", core_request.request_id)
                     self._rejected.append((core_request.request_id,
                                            ConveyorError(f"internal error while adding the request: {exc}")))
-        elif command.kind is CommandKind.ABORT:
-            for request_id in command.payload:
+        elif isinstance(command, AbortRequests):
+            for request_id in command.request_ids:
                 self.abort(request_id)
-        elif command.kind is CommandKind.FINISH:
-            for request_id, stop in command.payload:
+        elif isinstance(command, FinishRequests):
+            for request_id, stop in command.stops:
                 self.finish(request_id, FinishReason.STOP, stop)
 
     def has_news(self) -> bool:

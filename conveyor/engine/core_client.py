@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.engine.core import EngineCore
-from conveyor.engine.messages import CommandKind, CoreCommand, CoreInfo, StepOutputs
+from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown, StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand]
         if commands is None:
             return
         for command in commands:
-            if command.kind is CommandKind.SHUTDOWN:
+            if isinstance(command, Shutdown):
                 return
             core.handle(command)
         has_news = core.has_news()
@@ -98,6 +98,6 @@ class ThreadCoreClient:
         self._commands.put(command)
 
     async def close(self) -> None:
-        self._commands.put(CoreCommand(CommandKind.SHUTDOWN))
+        self._commands.put(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)

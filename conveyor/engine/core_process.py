@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 from conveyor.config import EngineConfig
 from conveyor.engine.core_client import DeathHandler, OutputsHandler, run_busy_loop
-from conveyor.engine.messages import CommandKind, CoreCommand, CoreInfo
+from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown
 from conveyor.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class ProcessCoreClient:
         self._closing = True
         self._stop_reading()
         if not self._dead and self.process.is_alive():
-            self._outbox.put(CoreCommand(CommandKind.SHUTDOWN))
+            self._outbox.put(Shutdown())
         self._outbox.put(None)
         await asyncio.to_thread(self.process.join, _STOP_TIMEOUT_S)
         self.kill()

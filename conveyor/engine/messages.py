@@ -8,7 +8,6 @@ Everything here is a slotted dataclass, so a message pickles small and fast acro
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,17 +34,31 @@ class CoreRequest:
     priority: int = 0
 
 
-class CommandKind(enum.Enum):
-    ADD = "add"                      # payload: list[CoreRequest]
-    ABORT = "abort"                  # payload: list[str], request ids
-    FINISH = "finish"                # payload: list[tuple[str, str]], (request id, stop string found)
-    SHUTDOWN = "shutdown"            # payload: None
+@dataclass(slots=True)
+class AddRequests:
+    requests: list[CoreRequest]
 
 
 @dataclass(slots=True)
-class CoreCommand:
-    kind: CommandKind
-    payload: object = None
+class AbortRequests:
+    """Drop these requests in any state; their KV blocks are free before the next step."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class FinishRequests:
+    """End requests whose stop string the front found: (request id, the stop string)."""
+
+    stops: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Leave the busy loop after the step in progress."""
+
+
+CoreCommand = AddRequests | AbortRequests | FinishRequests | Shutdown
 
 
 # ------------------------------------------------------------------ core -> front

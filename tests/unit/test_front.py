@@ -12,11 +12,13 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from conveyor.engine.admission import check_request
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
-    CommandKind,
+    AbortRequests,
+    AddRequests,
     CoreCommand,
     CoreInfo,
     CoreLoad,
     CoreRequest,
+    Shutdown,
     StepOutputs,
     TokenDelta,
 )
@@ -124,7 +126,7 @@ class FakeCore:
     def __init__(self, steps: int) -> None:
         self.steps = steps
         self.left: dict[str, int] = {}
-        self.handled: list[CommandKind] = []
+        self.handled: list[type] = []
         self.news = False
 
     def has_unfinished_requests(self) -> bool:
@@ -134,13 +136,13 @@ class FakeCore:
         return self.news
 
     def handle(self, command: CoreCommand) -> None:
-        self.handled.append(command.kind)
+        self.handled.append(type(command))
         self.news = True
-        if command.kind is CommandKind.ADD:
-            for request in command.payload:
+        if isinstance(command, AddRequests):
+            for request in command.requests:
                 self.left[request.request_id] = self.steps
-        elif command.kind is CommandKind.ABORT:
-            for request_id in command.payload:
+        elif isinstance(command, AbortRequests):
+            for request_id in command.request_ids:
                 self.left.pop(request_id, None)
 
     def step_or_fail(self) -> StepOutputs:
@@ -156,8 +158,8 @@ class FakeCore:
 
 
 def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> None:
-    add = CoreCommand(CommandKind.ADD, [CoreRequest("a", [1], SamplingParams(), frozenset(), 0.0)])
-    inbox = [[add], [], [], [CoreCommand(CommandKind.ABORT, ["unknown"])], [CoreCommand(CommandKind.SHUTDOWN)]]
+    add = AddRequests([CoreRequest("a", [1], SamplingParams(), frozenset(), 0.0)])
+    inbox: list[list[CoreCommand]] = [[add], [], [], [AbortRequests(["unknown"])], [Shutdown()]]
     timeouts: list[float] = []
     sent: list[StepOutputs] = []
 
@@ -169,4 +171,4 @@ def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> N
     run_busy_loop(core, receive, sent.append)  # type: ignore[arg-type]
     assert [[d.finished for d in s.deltas] for s in sent] == [[False], [True], []]
     assert timeouts == [IDLE_WAIT_S, 0.0, IDLE_WAIT_S, IDLE_WAIT_S, IDLE_WAIT_S]   # waits only when idle
-    assert core.handled == [CommandKind.ADD, CommandKind.ABORT]
+    assert core.handled == [AddRequests, AbortRequests]
