@@ -25,7 +25,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from conveyor.cli import configure_logging   # a spawned process starts with no logging set up
 from conveyor.config import EngineConfig
+from conveyor.engine.core import EngineCore
 from conveyor.engine.core_client import DeathHandler, OutputsHandler, run_busy_loop
 from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown
 from conveyor.errors import ModelLoadError
@@ -39,12 +41,8 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
     """The core process's entry point: load, report `CoreInfo` (or the start-up error), then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from conveyor.cli import configure_logging  # a spawned process starts with no logging set up
-
     configure_logging(logging.getLevelName(log_level), "WARNING")
     parent_pid = os.getppid()
-    from conveyor.engine.core import EngineCore  # torch is imported here, in the child, not at spawn
-
     try:
         core = EngineCore(config)
     except BaseException as exc:  # the front re-raises it, as if it had loaded the model itself
@@ -62,12 +60,9 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
         except (EOFError, OSError):   # the front is gone
             return None
 
-    def send(outputs: object) -> None:
-        conn.send(outputs)
-
     conn.send(core.info)
     try:
-        run_busy_loop(core, receive, send)
+        run_busy_loop(core, receive, conn.send)
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the front went away; engine core exiting")
 
