@@ -87,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a batch slot; past it the answer is 429 (default: no limit)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
+    serve.add_argument("--no-core-process", dest="core_process", action="store_false",
+                       help="run the engine core on a thread of the server process instead of a process of its own")
     _add_engine_flags(serve)
     return parser
 
 
-def _configure_logging(level: str | None, default: str) -> None:
+def configure_logging(level: str | None, default: str) -> None:
     logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -136,18 +138,19 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from conveyor.config import EngineConfig
+    from conveyor.config import EngineConfig, ServerConfig
     from conveyor.server.serve import run_server
 
-    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name,
-                                       max_waiting_requests=args.max_waiting_requests)
-    return run_server(config, host=args.host, port=args.port, api_key=args.api_key,
-                      max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace)
+    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
+                          core_process=args.core_process)
+    return run_server(config, server)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level, "INFO" if args.command == "serve" else "WARNING")
+    configure_logging(args.log_level, "INFO" if args.command == "serve" else "WARNING")
     try:
         if args.command == "generate":
             return generate(args)

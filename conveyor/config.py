@@ -154,3 +154,29 @@ class EngineConfig:
             parts[owners[name]][name] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
                    SchedulerConfig.from_preset(batch_preset, **parts["scheduler"]))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP server only; the engine never sees them."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000                          # 0 = any free port
+    api_key: str | None = None                # None = no key required
+    max_waiting_requests: int | None = None   # past it the answer is 429; None = unbounded
+    shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
+    max_body_bytes: int = 8 * 1024 * 1024
+    core_process: bool = True                 # the engine core in its own process, else on a server thread
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port!r}")
+        if self.max_waiting_requests is not None and (
+            not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0
+        ):
+            raise ValueError(
+                f"max_waiting_requests must be a non-negative integer, got {self.max_waiting_requests!r}"
+            )
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
+        _positive("max_body_bytes", self.max_body_bytes)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.config import EngineConfig
-from conveyor.engine.engine import LLMEngine, RequestMetrics, RequestOutput
+from conveyor.engine.engine import LLMEngine
+from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 

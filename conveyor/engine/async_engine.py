@@ -1,30 +1,38 @@
-"""AsyncEngine: one background thread steps the engine; each request gets its own asyncio stream.
+"""AsyncEngine: the server's front over one engine core; each request gets its own asyncio stream.
 
-The event loop never touches the engine: it sends commands (add, abort) through a thread-safe
-queue that the engine thread drains before every step, and receives outputs through
-`call_soon_threadsafe`. So an abort takes effect before the next step, and a slow step never
-blocks the event loop.
+Runs on the event loop only. It admits requests (validation and the waiting-queue bound, once),
+sends them to the core through a `CoreClient`, turns each `StepOutputs` into text deltas with the
+`OutputProcessor`, and tells the core to finish a request whose stop string it found. If the core
+dies, every request in flight fails at once with a 503 and the engine refuses new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from conveyor.engine.engine import LLMEngine, RequestOutput
-from conveyor.engine.stats import StepStats
+from conveyor.engine.admission import check_request
+from conveyor.engine.core_client import CoreClient
+from conveyor.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    CoreLoad,
+    CoreRequest,
+    FinishRequests,
+    RequestOutput,
+    StepOutputs,
+)
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-StepObserver = Callable[[StepStats | None, list[RequestOutput]], None]
+StepObserver = Callable[[StepOutputs], None]
 
 
 class EngineDeadError(ConveyorError):
@@ -32,93 +40,84 @@ class EngineDeadError(ConveyorError):
     error_type = "service_unavailable"
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    arrival_s: float
-    sink: Callable[[RequestOutput | BaseException], None]
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 observer: StepObserver | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def __init__(self, client: CoreClient, tokenizer: Tokenizer, max_waiting_requests: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.info = client.info
+        self.tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
-        self.observer = observer
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
-        self._num_pending_adds = 0          # sent to the engine thread, not yet added
-        self._lock = threading.Lock()       # guards _num_pending_adds
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self.clock = clock
+        self.observers: list[StepObserver] = []
+        self.death_observers: list[Callable[[str], None]] = []
+        self.processor = OutputProcessor(tokenizer)
+        self.load = CoreLoad(0, 0, 0, 0.0)      # as of the core's last message
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._num_in_transit = 0                # adds sent that the core has not reported yet
+        self._started = False
         self.is_accepting = True
+        self.dead_reason: str | None = None
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the engine thread; a second call does nothing."""
-        if self._thread is not None:
+        """Start the core client on the running loop; a second call does nothing."""
+        if self._started:
             return
-        self._thread = threading.Thread(target=self._loop, name="conveyor-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self.client.start(asyncio.get_running_loop(), self._on_outputs, self._on_death)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._sinks) + self._num_pending_adds
+        return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.load.num_waiting + self._num_in_transit
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting; let in-flight requests finish for up to grace_s, then fail the rest."""
+        """Stop accepting; let in-flight requests finish for up to grace_s, fail the rest, stop the core."""
         self.is_accepting = False
         deadline = time.monotonic() + grace_s
-        while self.num_in_flight and time.monotonic() < deadline:
+        while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._stopping = True
-        self._commands.put(None)
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
+        if self._queues:
+            self.client.send(AbortRequests(list(self._queues)))
+            self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._started and self.dead_reason is None:
+            self._started = False
+            await self.client.close()
 
     # ------------------------------------------------------------ requests
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        """Raise QueueFull if admitting num_new more requests would pass the waiting-queue bound."""
-        if not self.is_accepting:
-            raise EngineDeadError("the server is shutting down")
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """The admission check, once per HTTP request: raise now for a request that could never run
+        (400), past the waiting-queue bound (429), or while not accepting (503)."""
+        for prompt_token_ids in prompts:
+            check_request(prompt_token_ids, params, self.info)
+        self._check_accepting()
         limit = self.max_waiting_requests
-        if limit is not None and self.engine.scheduler.num_waiting + self._num_pending_adds + num_new > limit:
+        if limit is not None and self.num_waiting + len(prompts) > limit:
             raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise the engine's own error now, in the caller, for a request that could never run."""
-        self.engine.encode_prompt(prompt_token_ids)
-        self.engine.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+    def _check_accepting(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self.is_accepting:
+            raise EngineDeadError("the server is shutting down")
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs. Leaving the iteration early (a client gone) aborts it."""
+        """Stream one request's outputs, for a request that passed `admit`. Leaving the iteration
+        early (a client gone) aborts it."""
         request_id = request_id or uuid.uuid4().hex
-        self.validate(prompt_token_ids, params)
-        self.check_capacity()
-        loop = asyncio.get_running_loop()
+        self._check_accepting()   # the state may have changed since admission; nothing else has
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        with self._lock:
-            self._num_pending_adds += 1
-        self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt_token_ids, params, priority, self.engine.clock(), sink))
+        self._queues[request_id] = outputs
+        self.processor.add(request_id, prompt_token_ids, params)
+        self._num_in_transit += 1
+        self.client.send(AddRequests([CoreRequest(
+            request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, self.clock(), priority)]))
         finished = False
         try:
             while True:
@@ -126,79 +125,59 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if item.finished:
-                    finished = True
+                finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            self._sinks.pop(request_id, None)
+            self._queues.pop(request_id, None)
             if not finished:
-                self._send(_Abort(request_id))
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
-        self._send(_Abort(request_id))
+        self._queues.pop(request_id, None)
+        self.processor.drop(request_id)
+        if self.dead_reason is None:
+            self.client.send(AbortRequests([request_id]))
 
-    def _send(self, command: _Add | _Abort) -> None:
-        self._commands.put(command)
-        self._wake.set()
+    # ------------------------------------------------------------ from the core (on the event loop)
 
-    # ------------------------------------------------------------ the engine thread
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stopping:
-            self._drain_commands()
-            if self._stopping:
-                break
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
+    def _on_outputs(self, outputs: StepOutputs) -> None:
+        self.load = outputs.load
+        self._num_in_transit -= outputs.num_added
+        for request_id, exc in outputs.rejected:
+            self.processor.drop(request_id)
+            self._put(request_id, exc)
+        for delta in outputs.deltas:
+            output = self.processor.process(delta)
+            if output is not None:
+                self._put(delta.request_id, output)
+        stop_hits = self.processor.take_stop_hits()
+        if stop_hits:
+            self.client.send(FinishRequests(stop_hits))
+        for observer in self.observers:
             try:
-                outputs = engine.step()
-            except Exception as exc:  # a bug outside the model run: fail what is in flight, keep serving
-                logger.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            if self.observer is not None:
-                try:
-                    self.observer(engine.last_step, outputs)
-                except Exception:  # metrics must never stop the engine
-                    logger.exception("step observer failed")
-            for output in outputs:
-                sink = self._sinks.get(output.request_id)
-                if sink is not None:
-                    sink(output)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+                observer(outputs)
+            except Exception:  # metrics must never stop the stream of outputs
+                logger.exception("step observer failed")
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is None:
-                continue
-            if isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
-                continue
-            with self._lock:
-                self._num_pending_adds -= 1
-            if command.request_id not in self._sinks:
-                continue  # its client left before it was added
-            try:
-                self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
-                                        priority=command.priority, arrival_s=command.arrival_s)
-            except ConveyorError as exc:
-                command.sink(exc)
-            except Exception as exc:  # a bug in admission fails this request, not the engine thread
-                logger.exception("adding request %s failed", command.request_id)
-                command.sink(ConveyorError(f"internal error while adding the request: {exc}"))
+    def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self.engine.scheduler.requests):
-            self.engine.abort_request(request_id)
-        for sink in list(self._sinks.values()):
-            sink(exc if isinstance(exc, ConveyorError) else EngineDeadError(f"engine error: {exc}"))
+    def _on_death(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("%s; failing %d requests in flight", reason, len(self._queues))
+        self.dead_reason = reason
+        self.is_accepting = False
+        self._fail_all(EngineDeadError(reason))
+        for observer in self.death_observers:
+            observer(reason)
+
+    def _fail_all(self, exc: ConveyorError) -> None:
+        for request_id, queue in list(self._queues.items()):
+            self.processor.drop(request_id)
+            queue.put_nowait(exc)
+        self._queues.clear()

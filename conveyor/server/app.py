@@ -52,7 +52,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (413, "request body too large"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
-        (503, "the server is shutting down"),
+        (503, "the server is shutting down, or its engine core died"),
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -134,9 +134,9 @@ class RequestGuard:
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The app serves `model_name`; its lifespan starts the engine thread and stops it at the end."""
-    metrics = ServerMetrics(async_engine.engine, model_name)
-    async_engine.observer = metrics.observe
+    """The app serves `model_name`; its lifespan starts the core client and stops it at the end."""
+    metrics = ServerMetrics(async_engine, model_name)
+    async_engine.observers.append(metrics.observe)
     serving = OpenAIServing(async_engine, model_name)
     created = int(time.time())
 
@@ -194,10 +194,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"], responses={401: _ERRORS[401]})
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created,
-                                         max_model_len=async_engine.engine.max_model_len)])
+                                         max_model_len=async_engine.info.max_model_len)])
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> Any:
+        if async_engine.dead_reason is not None:
+            return error_response(EngineDeadError(async_engine.dead_reason))
         if not async_engine.is_accepting:
             return error_response(EngineDeadError("the server is shutting down"))
         return HealthResponse()

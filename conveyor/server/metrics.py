@@ -1,9 +1,9 @@
-"""Prometheus metrics of one server: StepStats and finished-request timings -> collectors.
+"""Prometheus metrics of one server: the core's StepOutputs -> collectors.
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `conveyor:time_to_first_token_seconds`),
 so existing dashboards work after a prefix change. Each server owns its own `CollectorRegistry`,
-so several servers in one process (tests) never clash. `observe` is the AsyncEngine's step
-observer and runs on the engine thread; it also writes the one log line per finished request.
+so several servers in one process (tests) never clash. `observe` is an AsyncEngine step observer
+and runs on the event loop; it also writes the one log line per finished request.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from conveyor.engine.engine import LLMEngine, RequestOutput
-from conveyor.engine.stats import StepStats
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.messages import StepOutputs, TokenDelta
+from conveyor.engine.stats import EngineStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +54,16 @@ METRIC_NAMES = (
 class ServerMetrics:
     """Collectors for one engine, labelled with the served model name as vLLM labels them.
 
-    `observe` reads the engine only from the engine thread. `refresh_load` runs at scrape time on
-    the event loop and reads three sizes, because an abort on an idle engine runs no step and so
-    never reaches the observer; each read is a single `len()`, atomic under the GIL.
+    Everything comes from the core's messages: step statistics, token deltas (inter-token latency
+    is timed here, as the tokens reach the front) and the request figures of the last delta.
     """
 
-    def __init__(self, engine: LLMEngine, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.clock = clock
+        self.stats = EngineStats()
         self.registry = CollectorRegistry()
         self._last_token_s: dict[str, float] = {}   # request_id -> when its last token came out
-        self._last_step: StepStats | None = None
         r = self.registry
         labels = ["model_name"]
 
@@ -103,40 +103,40 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         # Effective batching settings after preset and flags, as labels of a constant 1 (vLLM's *_info style).
-        sched = engine.config.scheduler
+        sched = engine.info.scheduler
         Gauge("conveyor:batch_config_info", "Effective batching settings (preset and flags applied).",
               labels + ["target_itl_ms", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"],
               registry=r).labels(model_name, "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g}",
                                  str(sched.max_num_seqs), str(sched.max_num_batched_tokens),
                                  str(sched.min_prefill_chunk)).set(1)
 
-    # ------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------ event loop
 
-    def observe(self, step: StepStats | None, outputs: list[RequestOutput]) -> None:
-        """The AsyncEngine's observer: called on the engine thread after every step."""
-        if step is not None and step is not self._last_step:  # an empty plan leaves last_step as it was
-            self._last_step = step
-            self._observe_step(step)
+    def observe(self, outputs: StepOutputs) -> None:
+        """The AsyncEngine's observer: called with every message of the core."""
+        if outputs.step is not None:
+            self.stats.record(outputs.step)
+            self._observe_step(outputs.step)
         now = self.clock()
-        for output in outputs:
-            request_id = output.request_id
-            if output.new_token_ids:
-                self.generation_tokens.inc(len(output.new_token_ids))
+        for delta in outputs.deltas:
+            request_id = delta.request_id
+            if delta.new_token_ids:
+                self.generation_tokens.inc(len(delta.new_token_ids))
                 last_s = self._last_token_s.get(request_id)
                 if last_s is not None:
                     self.itl.observe(now - last_s)
                 self._last_token_s[request_id] = now
-            if output.finished:
+            if delta.finished:
                 self._last_token_s.pop(request_id, None)
-                self._observe_finished(output)
-        # Aborted requests never send a finished output; drop their entries once they outnumber the live ones.
-        if step is not None and len(self._last_token_s) > step.num_running + step.num_waiting:
-            live = self.engine.scheduler.requests
-            for request_id in [r for r in self._last_token_s if r not in live]:
+                self._observe_finished(delta)
+        # Aborted requests never send a finished delta; drop their entries once they outnumber the live ones.
+        load = outputs.load
+        if len(self._last_token_s) > load.num_running + load.num_waiting + self.engine.num_in_flight:
+            for request_id in [r for r in self._last_token_s if r not in self.engine.processor]:
                 del self._last_token_s[request_id]
 
     def _observe_step(self, step: StepStats) -> None:
-        stats = self.engine.stats
+        stats = self.stats
         self.step_time.observe(step.step_time_s)
         self.num_running.set(step.num_running)
         self.num_waiting.set(step.num_waiting)
@@ -151,7 +151,7 @@ class ServerMetrics:
         self.decode_tps.set(stats.decode_tokens_per_s)
         self.avg_rows.set(stats.avg_rows_per_step)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: TokenDelta) -> None:
         self._success.labels(self._model_name, output.finish_reason or "unknown").inc()
         metrics = output.metrics
         if metrics is None:
@@ -174,13 +174,12 @@ class ServerMetrics:
                    _seconds(metrics.e2e_s), rate, metrics.num_preemptions,
                    f"; error: {output.error}" if output.error else "")
 
-    # ------------------------------------------------------------ event loop
-
     def refresh_load(self) -> None:
-        scheduler = self.engine.scheduler
-        self.num_running.set(scheduler.num_running)
-        self.num_waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(self.engine.blocks.usage)
+        # The core reports its load after every command it applies, so this is current even when idle.
+        load = self.engine.load
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.kv_usage.set(load.kv_usage)
 
     def render(self) -> bytes:
         self.refresh_load()

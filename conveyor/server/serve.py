@@ -1,12 +1,17 @@
-"""`run_server`: EngineConfig -> LLMEngine -> AsyncEngine -> app -> uvicorn, with a graceful SIGTERM.
+"""`run_server`: EngineConfig + ServerConfig -> engine core, AsyncEngine front, app, uvicorn.
 
-On SIGTERM (or Ctrl-C) the server stops accepting connections, lets in-flight requests finish for
-up to `shutdown_grace_s`, fails whatever is still running with a clear 503 error (an error event
-when streaming), closes the connections and exits 0.
+By default the engine core runs in a process of its own (core_process.py) and this process keeps
+HTTP, tokenization and detokenization. On SIGTERM (or Ctrl-C) the server stops accepting
+connections, lets in-flight requests finish for up to the grace period, fails whatever is still
+running with a clear 503 error (an error event when streaming), stops the core and exits 0. If the
+core dies, every request in flight fails at once with a 503, /health turns 503, and the server
+exits 1: a supervisor restarts the whole server, which is simpler to reason about than a core
+restarted under live connections whose KV state is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -15,19 +20,22 @@ from types import FrameType
 
 import uvicorn
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.engine import LLMEngine
-from conveyor.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
+from conveyor.model.loader import resolve_model_path
+from conveyor.server.app import build_app
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHUTDOWN_GRACE_S = 30.0
 _CONNECTION_CLOSE_S = 5.0   # after the engine stopped, every response is complete; this only bounds stragglers
+_DEAD_CORE_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes, for load balancers to see
 
 
 class ConveyorServer(uvicorn.Server):
-    """uvicorn, with the engine's grace period first in its shutdown.
+    """uvicorn, with the engine's grace period first in its shutdown, and an exit code.
 
     uvicorn waits for open connections before it runs the app's lifespan shutdown, so a request
     still generating would hold the exit up indefinitely. Here the engine ends every request
@@ -38,6 +46,12 @@ class ConveyorServer(uvicorn.Server):
         super().__init__(config)
         self.async_engine = async_engine
         self.shutdown_grace_s = shutdown_grace_s
+        self.exit_code = 0
+        async_engine.death_observers.append(self._core_died)
+
+    def _core_died(self, reason: str) -> None:
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(_DEAD_CORE_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in getattr(self, "servers", []):
@@ -53,42 +67,54 @@ class ConveyorServer(uvicorn.Server):
         return self.servers[0].sockets[0].getsockname()[1]
 
 
-def build_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_waiting_requests: int | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ConveyorServer:
-    if shutdown_grace_s < 0:
-        raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s!r}")
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
-    app = build_app(async_engine, engine.model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = None, model_name: str | None = None,
+                 server: ServerConfig = ServerConfig()) -> ConveyorServer:
+    """A server over a core client; given an LLMEngine, its core runs on a thread of this process."""
+    if isinstance(client, LLMEngine):
+        engine = client
+        client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
+    assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
+    async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
+    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="on",
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S))
-    return ConveyorServer(config, async_engine, shutdown_grace_s)
+    return ConveyorServer(config, async_engine, server.shutdown_grace_s)
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               max_waiting_requests: int | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
     """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown).
 
-    max_waiting_requests defaults to the scheduler config's; the bound is applied at the door (429)
-    rather than inside the scheduler, so a request that was admitted is never refused mid-stream.
+    The waiting-queue bound is applied at the door (429) rather than inside the scheduler, so a
+    request that was admitted is never refused mid-stream.
     """
-    if max_waiting_requests is None:
-        max_waiting_requests = config.scheduler.max_waiting_requests
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_waiting_requests=None))
-    engine = LLMEngine(config)
-    server = build_server(engine, host=host, port=port, api_key=api_key, max_waiting_requests=max_waiting_requests,
-                          shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes)
+    if server.core_process:
+        from conveyor.engine.core_process import ProcessCoreClient
+
+        model_path = resolve_model_path(config.model.model)
+        client = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
+        try:
+            tokenizer = load_tokenizer(model_path)   # while the core loads the weights
+            client.wait_ready()
+            uvicorn_server = build_server(client, tokenizer, config.model.served_model_name or model_path.name,
+                                          server)
+            return _run(uvicorn_server)
+        finally:
+            client.kill()   # a no-op after a clean shutdown; never leave the core behind
+    return _run(build_server(LLMEngine(config), server=server))
+
+
+def _run(uvicorn_server: ConveyorServer) -> int:
     # uvicorn re-raises a caught signal once it has shut down, under the handler it found at start;
     # the defaults would end the process with -SIGTERM or KeyboardInterrupt instead of a clean exit 0.
     previous = {sig: signal.signal(sig, _after_graceful_shutdown) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        uvicorn_server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
+    return uvicorn_server.exit_code
 
 
 def _after_graceful_shutdown(signum: int, frame: FrameType | None) -> None:

@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.engine import RequestOutput
+from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.protocol import ErrorInfo, ErrorResponse

@@ -1,6 +1,7 @@
 """Helpers for the server tests: a real server in a background thread on a free loopback port, /metrics.
 
-Each server is the one `conveyor serve` builds (`build_server`), bound to port 0. Engines are small
+Each server is the one `conveyor serve --no-core-process` builds (`build_server`), bound to port 0, so a
+test can reach into its engine core; test_core_process.py covers the core in its own process. Engines are small
 (64 MiB of KV cache, two threads) so the whole suite stays within a few minutes on two cores.
 """
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.serve import ConveyorServer, build_server
 
@@ -51,9 +52,9 @@ def start_server(model: Path | None, *, api_key: str | None = None, max_waiting_
                  **engine_options: Any) -> RunningServer:
     options = {**SMALL_ENGINE, **engine_options}
     engine = LLMEngine(EngineConfig.from_options(model=str(model) if model is not None else None, **options))
-    server = build_server(engine, host="127.0.0.1", port=0, api_key=api_key,
-                          max_waiting_requests=max_waiting_requests, shutdown_grace_s=shutdown_grace_s,
-                          max_body_bytes=max_body_bytes)
+    server = build_server(engine, server=ServerConfig(
+        host="127.0.0.1", port=0, api_key=api_key, max_waiting_requests=max_waiting_requests,
+        shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes, core_process=False))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -112,3 +113,71 @@ def sse_events(lines: list[str]) -> list[dict | str]:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live (not zombie) children of a process, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def is_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core process of a `conveyor serve` process (not multiprocessing's resource tracker)."""
+    for pid in child_pids(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"no engine core process under {server_pid}: {child_pids(server_pid)}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_server_process(model: Path, *flags: str) -> tuple[Any, str]:
+    """`python -m conveyor serve` on a free loopback port, once /health says 200: (Popen, base URL).
+
+    The server leads a process group of its own, so a test can signal the group as a terminal does.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conveyor", "serve", "--model", str(model), "--port", str(port), "--threads", "1",
+         "--kv-cache-memory", "64MiB", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read() if process.stdout else "server exited")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.1)

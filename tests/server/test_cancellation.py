@@ -133,7 +133,7 @@ def test_thousands_of_aborts_leak_nothing(tiny_server: RunningServer) -> None:
     engine = tiny_server.engine
     async_engine = tiny_server.server.async_engine
     wait_for(lambda: async_engine.num_in_flight == 0, 10, "no request in flight")
-    assert not engine.scheduler.requests and not engine._streams
+    assert not engine.scheduler.requests and not len(async_engine.processor)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.blocks.check_integrity()
     # A step after the aborts lets the metrics drop their per-request state too.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import metrics, slow_steps, sse_events, start_server
+from server_helpers import child_pids, is_alive, metrics, slow_steps, sse_events, start_server, wait_for
 
 
 def free_port() -> int:
@@ -52,6 +52,8 @@ def test_sigterm_with_requests_in_flight_exits_0(tiny_checkpoint: Path, grace_s:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
+        children = child_pids(process.pid)
+        assert children, "the engine core runs in a child process"
 
         async def clients() -> list[str]:
             started = asyncio.Event()
@@ -102,6 +104,7 @@ def test_sigterm_with_requests_in_flight_exits_0(tiny_checkpoint: Path, grace_s:
     assert "shutting down" in log
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/health", timeout=2)
+    wait_for(lambda: not any(is_alive(pid) for pid in children), 10, "no child process left")
 
 
 def test_grace_period_over_fails_requests_with_a_clear_error(tiny_checkpoint: Path) -> None:

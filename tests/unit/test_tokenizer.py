@@ -358,7 +358,7 @@ def test_gguf_qwen2_and_smollm_split_digits(tmp_path: Path, backend: BackendToke
 def test_gguf_unknown_pre_falls_back_with_warning(
     tmp_path: Path, backend: BackendTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="conveyor.engine.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.engine.gguf_vocab"):
         g = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="mystery-pre"))
     assert "mystery-pre" in caplog.text
     assert g.decode(g.encode(MULTIBYTE)) == MULTIBYTE

@@ -1,0 +1,46 @@
+"""The one admission point: a request is checked here, in the front, before it reaches the core.
+
+Checks need only the model's limits (`CoreInfo`), so the front refuses a bad request with its own
+status (400) without a round trip to the core. The scheduler's own `check_fits` stays as the core's
+guard; it never fires for a request admitted here.
+"""
+
+from __future__ import annotations
+
+from conveyor.engine.messages import CoreInfo
+from conveyor.errors import ContextLengthExceeded, InvalidRequest
+from conveyor.sampling_params import SamplingParams
+
+
+def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
+    """A prompt given as token ids: a list of ints inside the vocabulary. Returns a copy."""
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise InvalidRequest("a prompt must be a string or a list of token ids", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+    return list(prompt)
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> None:
+    """Raise InvalidRequest / ContextLengthExceeded for a request that could never run."""
+    check_token_ids(prompt_token_ids, info.vocab_size)
+    num_prompt_tokens = len(prompt_token_ids)
+    if num_prompt_tokens == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = info.max_model_len - num_prompt_tokens
+        if max_tokens < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
+                f"length is {info.max_model_len} tokens", param="prompt")
+    total = num_prompt_tokens + max_tokens
+    if total > info.max_model_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {info.max_model_len} tokens; the request has "
+            f"{num_prompt_tokens} prompt tokens plus max_tokens {max_tokens} = {total}", param="max_tokens")
+    if -(-total // info.block_size) > info.num_kv_blocks:
+        raise ContextLengthExceeded(
+            f"the request needs {total} tokens of KV cache ({num_prompt_tokens} prompt + {max_tokens} "
+            f"max_tokens) but the whole cache holds {info.num_kv_blocks * info.block_size}", param="max_tokens")

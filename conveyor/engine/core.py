@@ -1,0 +1,276 @@
+"""EngineCore: scheduler, KV cache, model runner and sampler; token ids in, token ids out.
+
+The core never sees text. It runs in the offline process (`LLMEngine`), on the server's engine
+thread, or alone in its own process (`core_process.py`); all three drive it through `add`,
+`abort`, `finish` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor import kernels
+from conveyor.config import EngineConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.plan import StepPlan
+from conveyor.core.request import FinishReason, Request
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.step_cost import StepCostModel, StepShape
+from conveyor.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    CoreCommand,
+    FinishRequests,
+    CoreInfo,
+    CoreLoad,
+    CoreRequest,
+    RequestMetrics,
+    StepOutputs,
+    TokenDelta,
+)
+from conveyor.engine.stats import EngineStats, StepStats
+from conveyor.errors import ConveyorError
+from conveyor.model.llama import LlamaModel
+from conveyor.model.loader import load_model, resolve_model_path
+from conveyor.runtime.dtype import choose_dtype
+from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
+from conveyor.runtime.sampler import Sampler, SamplingRow, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Live:
+    request: Request
+    generator: torch.Generator | None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.clock = clock
+        if config.model.threads is not None:
+            torch.set_num_threads(config.model.threads)
+        self.model_path: Path = resolve_model_path(config.model.model)
+        self.device = torch.device(config.model.device)
+        self.kernel_library = kernels.library() if self.device.type == "cpu" else None
+        self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library)
+        arch = self.model.arch
+        self.max_model_len = config.scheduler.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
+                             f"{arch.max_position_embeddings}")
+        cache_cfg = config.cache
+        num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(
+            arch, cache_cfg.block_size, self.dtype, cache_cfg.kv_cache_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
+                             f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.dtype)} bytes)")
+        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device,
+                                transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
+        self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.cost_model = StepCostModel()
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler(self.device)
+        self.stats = EngineStats()
+        self.last_step: StepStats | None = None
+        self._live: dict[str, _Live] = {}
+        self._pending: list[TokenDelta] = []     # finished from outside since the last step
+        self._rejected: list[tuple[str, ConveyorError]] = []
+        self._has_news = False                   # commands applied since the last StepOutputs
+        self._num_added = 0                      # requests taken from ADD commands since then
+        self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
+                             num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
+                             startup_s=time.perf_counter() - started, num_threads=torch.get_num_threads(),
+                             scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
+                    num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,
+                    self.info.startup_s)
+        sched = config.scheduler
+        logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d",
+                    "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
+                    sched.max_num_batched_tokens, sched.min_prefill_chunk)
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, core_request: CoreRequest) -> None:
+        """Queue a validated request. Raises ContextLengthExceeded / QueueFull / InvalidRequest (duplicate id)."""
+        params = core_request.params
+        request = Request(
+            request_id=core_request.request_id,
+            prompt_token_ids=core_request.prompt_token_ids,
+            params=params,
+            arrival_s=core_request.arrival_s,
+            max_tokens=params.max_tokens,
+            eos_token_ids=core_request.eos_token_ids,
+            priority=core_request.priority,
+        )
+        generator = make_generator(params, self.device)
+        self.scheduler.add(request)   # first: a refused request leaves no state behind
+        self._live[request.request_id] = _Live(request, generator)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort in any state; its KV blocks are free before the next step. False if unknown."""
+        self._live.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> TokenDelta | None:
+        """End a request from outside (a stop string the front found); its last delta goes out with the next step."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        self.scheduler.finish(request_id, reason, stop_reason)
+        delta = TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason,
+                           metrics=self._metrics(live.request))
+        self._pending.append(delta)
+        return delta
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def handle(self, command: CoreCommand) -> None:
+        """Apply one command from the front. A refused add is reported in the next StepOutputs."""
+        self._has_news = True
+        if isinstance(command, AddRequests):
+            self._num_added += len(command.requests)
+            for core_request in command.requests:
+                try:
+                    self.add(core_request)
+                except ConveyorError as exc:
+                    self._rejected.append((core_request.request_id, exc))
+                except Exception as exc:  # a bug in admission fails this request, not the core
+                    logger.exception("adding request %s failed", core_request.request_id)
+                    self._rejected.append((core_request.request_id,
+                                           ConveyorError(f"internal error while adding the request: {exc}")))
+        elif isinstance(command, AbortRequests):
+            for request_id in command.request_ids:
+                self.abort(request_id)
+        elif isinstance(command, FinishRequests):
+            for request_id, stop in command.stops:
+                self.finish(request_id, FinishReason.STOP, stop)
+
+    def has_news(self) -> bool:
+        """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
+        return self._has_news or bool(self._pending) or bool(self._rejected)
+
+    def step_or_fail(self) -> StepOutputs:
+        """`step`, except that a bug outside the model run fails every request instead of the caller."""
+        try:
+            return self.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing all %d requests", len(self._live))
+            deltas = self._pending
+            self._pending = []
+            for request_id in list(self._live):
+                live = self._live.pop(request_id)
+                self.scheduler.finish(request_id, FinishReason.ERROR)
+                deltas.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
+                                         error=f"engine error: {exc}", metrics=self._metrics(live.request)))
+            return self._outputs(deltas, None)
+
+    def load(self) -> CoreLoad:
+        return CoreLoad(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.num_used_blocks,
+                        self.blocks.usage)
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> StepOutputs:
+        """Schedule, run and sample one step. A step whose plan is empty runs nothing (`step` is None)."""
+        deltas, self._pending = self._pending, []
+        started = self.clock()
+        lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return self._outputs(deltas, None)
+        try:
+            deltas += self._run(plan)
+            failed = False
+        except Exception as exc:  # a failed step fails its own requests; the engine goes on
+            logger.exception("step failed; failing its %d requests", len(plan.rows))
+            deltas += self._fail(plan, f"internal error while running the model: {exc}")
+            failed = True
+        step = StepStats(
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_rows=len(plan.rows),
+            step_time_s=self.clock() - started,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=self.blocks.num_used_blocks,
+            kv_usage=self.blocks.usage,
+            num_preemptions=len(plan.preempted_ids),
+            num_prefix_query_tokens=self.blocks.num_query_tokens - lookups_before[0],
+            num_prefix_hit_tokens=self.blocks.num_hit_tokens - lookups_before[1],
+        )
+        self.stats.record(step)
+        self.last_step = step
+        if not failed:   # a failed step's time says nothing about what a step costs
+            self.cost_model.observe(StepShape.from_plan(plan), step.step_time_s)
+        return self._outputs(deltas, step)
+
+    def _outputs(self, deltas: list[TokenDelta], step: StepStats | None) -> StepOutputs:
+        rejected, self._rejected = self._rejected, []
+        num_added, self._num_added = self._num_added, 0
+        self._has_news = False
+        return StepOutputs(deltas, self.load(), step, rejected, num_added)
+
+    def _run(self, plan: StepPlan) -> list[TokenDelta]:
+        batch, logits = self.runner.execute(plan)
+        rows = []
+        for request_id in batch.sampling_ids:
+            live = self._live[request_id]
+            request = live.request
+            rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
+                                    live.generator, request.eos_token_ids))
+        sampled = self.sampler.sample(logits, rows)
+        logprobs = dict(zip(batch.sampling_ids, sampled.logprobs))
+        result = self.scheduler.update(plan, sampled.token_ids)
+        deltas = []
+        for update in result.updates:
+            live = self._live.get(update.request_id)
+            if live is None:
+                continue
+            token_logprobs = logprobs.get(update.request_id)
+            delta = TokenDelta(update.request_id, update.new_token_ids,
+                               [token_logprobs] if token_logprobs is not None else [])
+            if update.finish_reason is not None:
+                del self._live[update.request_id]
+                delta.finish_reason = update.finish_reason.value
+                delta.stop_reason = update.stop_reason
+                delta.metrics = self._metrics(live.request)
+            deltas.append(delta)
+        return deltas
+
+    def _fail(self, plan: StepPlan, message: str) -> list[TokenDelta]:
+        deltas = []
+        for row in plan.rows:
+            live = self._live.pop(row.request_id, None)
+            self.scheduler.finish(row.request_id, FinishReason.ERROR)
+            if live is not None:
+                deltas.append(TokenDelta(row.request_id, [], finish_reason=FinishReason.ERROR.value, error=message,
+                                         metrics=self._metrics(live.request)))
+        return deltas
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_s=request.arrival_s,
+            first_scheduled_s=request.first_scheduled_s,
+            first_token_s=request.first_token_s,
+            finished_s=request.finished_s,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )

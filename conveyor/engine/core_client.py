@@ -1,0 +1,103 @@
+"""How the front reaches an EngineCore: the `CoreClient` interface, the busy loop, and the thread client.
+
+Both clients run the same `run_busy_loop`: drain the commands, step, send one `StepOutputs` per
+step. `ThreadCoreClient` runs it on a thread of this process (tests that reach into the core use
+it); `ProcessCoreClient` (core_process.py) runs it in a process of its own, which is what
+`conveyor serve` does, so the model never competes with HTTP and text work for the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from conveyor.engine.core import EngineCore
+from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown, StepOutputs
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5   # how long an idle core blocks for a command before it checks on its front
+
+OutputsHandler = Callable[[StepOutputs], None]
+DeathHandler = Callable[[str], None]
+
+
+class CoreClient(Protocol):
+    """The front's handle on a core. `start` and `send` run on the event loop; handlers are called there."""
+
+    info: CoreInfo
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler, on_death: DeathHandler) -> None: ...
+
+    def send(self, command: CoreCommand) -> None: ...
+
+    async def close(self) -> None:
+        """Stop the core once nothing is in flight; returns when it is gone."""
+        ...
+
+
+def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand] | None],
+                  send: OutputsHandler) -> None:
+    """Drain commands, step, send: until `receive` returns None or a SHUTDOWN arrives.
+
+    `receive(timeout_s)` returns the commands that arrived within timeout_s (none is fine); it
+    waits only when the core has nothing to run, so a busy core never sleeps.
+    """
+    while True:
+        commands = receive(0.0 if core.has_unfinished_requests() else IDLE_WAIT_S)
+        if commands is None:
+            return
+        for command in commands:
+            if isinstance(command, Shutdown):
+                return
+            core.handle(command)
+        has_news = core.has_news()
+        if core.has_unfinished_requests() or has_news:
+            outputs = core.step_or_fail()
+            if has_news or outputs.step is not None or outputs.deltas:   # an empty plan owes nothing
+                send(outputs)
+
+
+class ThreadCoreClient:
+    """The core on a background thread of this process; outputs reach the loop by call_soon_threadsafe."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.info = core.info
+        self._commands: queue.SimpleQueue[CoreCommand] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler, on_death: DeathHandler) -> None:
+        def send(outputs: StepOutputs) -> None:
+            loop.call_soon_threadsafe(on_outputs, outputs)
+
+        def run() -> None:
+            try:
+                run_busy_loop(self.core, self._receive, send)
+            except BaseException as exc:  # the thread is the core: its end must reach the front
+                logger.exception("engine core thread failed")
+                loop.call_soon_threadsafe(on_death, f"the engine core failed: {exc}")
+
+        self._thread = threading.Thread(target=run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    def _receive(self, timeout_s: float) -> list[CoreCommand]:
+        commands = []
+        try:
+            commands.append(self._commands.get(timeout=timeout_s) if timeout_s else self._commands.get_nowait())
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def send(self, command: CoreCommand) -> None:
+        self._commands.put(command)
+
+    async def close(self) -> None:
+        self._commands.put(Shutdown())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)

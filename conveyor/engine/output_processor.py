@@ -1,0 +1,92 @@
+"""OutputProcessor: the core's token deltas -> text deltas, in the front.
+
+Owns each request's incremental detokenizer, its text so far and the stop-string search. A stop
+string found here ends the request for its client at once; the caller tells the core to finish it
+(`stop_hits`), and the core's later deltas for it are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.engine.messages import RequestOutput, TokenDelta
+from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Stream:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+        self.stop_hits: list[tuple[str, str]] = []   # (request id, stop string) for the core to finish
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                             skip_special_tokens=params.skip_special_tokens)
+        self._streams[request_id] = _Stream(prompt_token_ids, params, detokenizer)
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def process(self, delta: TokenDelta) -> RequestOutput | None:
+        """One delta -> its text delta; None for a request this processor no longer tracks."""
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return None
+        params = stream.params
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        text_delta = "".join(stream.detokenizer.push(t) for t in delta.new_token_ids)
+        searched_from = len(stream.text)
+        stream.text += text_delta
+        if params.stop and finish_reason != "error":
+            hit = _find_stop(stream.text, params.stop, searched_from)
+            if hit is not None:
+                index, stop = hit
+                stream.text = stream.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                if finish_reason is None:
+                    self.stop_hits.append((delta.request_id, stop))
+                finish_reason, stop_reason = "stop", stop
+        finished = finish_reason is not None
+        # While running, hold back a tail that could be the start of a stop string.
+        hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
+        end = max(len(stream.text) - hold, stream.num_emitted_chars)
+        new_text = stream.text[stream.num_emitted_chars:end]
+        stream.num_emitted_chars = end
+        output = RequestOutput(delta.request_id, delta.new_token_ids, new_text, delta.new_logprobs)
+        if finished:
+            del self._streams[delta.request_id]
+            output.finished = True
+            output.finish_reason = finish_reason
+            output.stop_reason = stop_reason
+            output.error = delta.error
+            output.metrics = delta.metrics
+            output.prompt_token_ids = stream.prompt_token_ids
+        return output
+
+    def take_stop_hits(self) -> list[tuple[str, str]]:
+        hits, self.stop_hits = self.stop_hits, []
+        return hits
+
+
+def _find_stop(text: str, stops: list[str], searched_from: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop, max(0, searched_from - len(stop) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best

@@ -1,0 +1,174 @@
+"""The front's half of the core split, without a model: admission, text from token deltas, the busy loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from conveyor.engine.admission import check_request
+from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
+from conveyor.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    CoreCommand,
+    CoreInfo,
+    CoreLoad,
+    CoreRequest,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from conveyor.sampling_params import SamplingParams
+
+INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=3, block_size=16, startup_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
+    return Tokenizer(backend)
+
+
+# ------------------------------------------------------------------ admission
+
+
+@pytest.mark.parametrize("prompt,max_tokens,error,param", [
+    ([], 4, InvalidRequest, "prompt"),
+    ([1, 300], 4, InvalidRequest, "prompt"),
+    ([1, True], 4, InvalidRequest, "prompt"),
+    ([1] * 64, None, ContextLengthExceeded, "prompt"),
+    ([1] * 60, 5, ContextLengthExceeded, "max_tokens"),
+    ([1] * 40, 10, ContextLengthExceeded, "max_tokens"),   # 50 tokens need 4 blocks of 16; the cache has 3
+])
+def test_admission_refuses_what_could_never_run(prompt: list, max_tokens: int | None, error: type,
+                                                 param: str) -> None:
+    with pytest.raises(error) as caught:
+        check_request(prompt, SamplingParams(max_tokens=max_tokens), INFO)
+    assert caught.value.param == param
+
+
+def test_admission_accepts_a_request_that_fits_exactly() -> None:
+    check_request([1] * 40, SamplingParams(max_tokens=8), INFO)
+    check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4))
+
+
+# ------------------------------------------------------------------ output processor
+
+
+def test_text_deltas_add_up_to_the_decoded_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("the quick brown fox")
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", [1], SamplingParams())
+    texts = [processor.process(TokenDelta("r", [t])).new_text for t in ids[:-1]]
+    last = processor.process(TokenDelta("r", [ids[-1]], finish_reason="length"))
+    assert "".join(texts) + last.new_text == "the quick brown fox"
+    assert last.finished and last.finish_reason == "length" and last.prompt_token_ids == [1]
+    assert len(processor) == 0 and processor.process(TokenDelta("r", [ids[0]])) is None
+
+
+def test_stop_string_ends_the_request_and_asks_the_core_to_finish_it(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("the quick brown fox jumps")
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", [1], SamplingParams(stop=["brown"]))
+    outputs = []
+    for token_id in ids:
+        output = processor.process(TokenDelta("r", [token_id]))
+        if output is None:
+            break
+        outputs.append(output)
+    assert "".join(o.new_text for o in outputs) == "the quick "
+    assert outputs[-1].finished and outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == "brown"
+    assert processor.take_stop_hits() == [("r", "brown")] and processor.take_stop_hits() == []
+
+
+def test_a_stop_string_in_the_last_delta_needs_no_finish_command(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", [1], SamplingParams(stop=["fox"], include_stop_str_in_output=True))
+    output = processor.process(TokenDelta("r", tokenizer.encode("brown fox jumps"), finish_reason="length"))
+    assert output.new_text == "brown fox" and output.finish_reason == "stop"
+    assert processor.take_stop_hits() == []
+
+
+def test_error_delta_carries_its_message(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", [1], SamplingParams())
+    output = processor.process(TokenDelta("r", [], finish_reason="error", error="boom"))
+    assert output.finished and output.error == "boom"
+
+
+# ------------------------------------------------------------------ messages and the busy loop
+
+
+def test_messages_survive_pickling() -> None:
+    outputs = StepOutputs([TokenDelta("r", [5], finish_reason="stop", stop_reason=7)], CoreLoad(1, 2, 3, 0.5),
+                          rejected=[("q", QueueFull("full"))], num_added=2)
+    again = pickle.loads(pickle.dumps(outputs))
+    assert again.deltas == outputs.deltas and again.load == outputs.load and again.num_added == 2
+    (request_id, error), = again.rejected
+    assert request_id == "q" and isinstance(error, QueueFull) and error.status == 429 and error.message == "full"
+
+
+class FakeCore:
+    """Runs each request for `steps` steps; records what the loop asked of it."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.left: dict[str, int] = {}
+        self.handled: list[type] = []
+        self.news = False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def has_news(self) -> bool:
+        return self.news
+
+    def handle(self, command: CoreCommand) -> None:
+        self.handled.append(type(command))
+        self.news = True
+        if isinstance(command, AddRequests):
+            for request in command.requests:
+                self.left[request.request_id] = self.steps
+        elif isinstance(command, AbortRequests):
+            for request_id in command.request_ids:
+                self.left.pop(request_id, None)
+
+    def step_or_fail(self) -> StepOutputs:
+        self.news = False
+        deltas = []
+        for request_id in list(self.left):
+            self.left[request_id] -= 1
+            done = self.left[request_id] == 0
+            if done:
+                del self.left[request_id]
+            deltas.append(TokenDelta(request_id, [1], finish_reason="length" if done else None))
+        return StepOutputs(deltas, CoreLoad(len(self.left), 0, 0, 0.0))
+
+
+def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> None:
+    add = AddRequests([CoreRequest("a", [1], SamplingParams(), frozenset(), 0.0)])
+    inbox: list[list[CoreCommand]] = [[add], [], [], [AbortRequests(["unknown"])], [Shutdown()]]
+    timeouts: list[float] = []
+    sent: list[StepOutputs] = []
+
+    def receive(timeout_s: float) -> list[CoreCommand]:
+        timeouts.append(timeout_s)
+        return inbox.pop(0)
+
+    core = FakeCore(steps=2)
+    run_busy_loop(core, receive, sent.append)  # type: ignore[arg-type]
+    assert [[d.finished for d in s.deltas] for s in sent] == [[False], [True], []]
+    assert timeouts == [IDLE_WAIT_S, 0.0, IDLE_WAIT_S, IDLE_WAIT_S, IDLE_WAIT_S]   # waits only when idle
+    assert core.handled == [AddRequests, AbortRequests]
