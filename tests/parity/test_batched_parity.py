@@ -77,6 +77,30 @@ def test_chunked_prefill(prompts, alone) -> None:
     assert_same_tokens(batched, alone, "chunked")
 
 
+def test_chunks_cut_by_a_latency_target(prompts, alone) -> None:
+    """A target no step can meet: while anything decodes, prompts move min_prefill_chunk tokens a step."""
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=4096, kv_cache_memory="512MiB", target_itl_ms=0.001,
+              min_prefill_chunk=7)
+    plans = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    llm.engine.scheduler.schedule = recording_schedule
+    # Staggered lengths free the 4 slots at different steps, so prompts start while others decode.
+    lengths = [NUM_TOKENS - 5 * (i % 4) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    batched = llm.generate(prompts, params)
+    for i, (b, a, n) in enumerate(zip(batched, alone, lengths)):
+        assert b.token_ids == a.token_ids[:n], f"prompt {i} differs with latency-cut chunks"
+    # Chunks longer than one token, in steps that also decode (a prompt's last token rides with the decodes).
+    cut = [sum(r.num_tokens for r in plan.rows if r.num_tokens > 1) for plan in plans
+           if any(not r.is_prefill for r in plan.rows)]
+    assert max(cut) == 7
+
+
 def test_preemption(prompts, alone) -> None:
     total = [len(o.prompt_token_ids) + NUM_TOKENS for o in alone]
     blocks = sum(-(-t // 16) for t in total) // 3   # about a third of what all need at once
