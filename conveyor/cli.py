@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from conveyor.config import DTYPES, CacheConfig, SchedulerConfig
+from conveyor.config import DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
@@ -18,6 +18,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None,
                        help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", choices=DTYPES, default="float32", help="working dtype of weights and KV cache")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                       help="none: weights as loaded (GGUF dequantized to float); int8: linear layers in int8 "
+                            "(blocks of 32) from any checkpoint; gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
@@ -37,7 +40,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": args.dtype, "threads": args.threads, "device": args.device,
+        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "threads": args.threads, "device": args.device,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,

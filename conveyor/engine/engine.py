@@ -97,7 +97,8 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
-        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library)
+        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library,
+                                            config.model.quantization)
         arch = self.model.arch
         self.tokenizer = (Tokenizer.from_gguf(self.model_path) if self.model_path.is_file()
                           else Tokenizer.from_hf_folder(self.model_path))
