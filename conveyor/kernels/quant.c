@@ -27,14 +27,17 @@
 #define QK 32
 #define NR 32
 #define MC 64   /* rows per work item: their quantized activations stay in cache while panels stream */
-#define MR 4    /* rows per pass over a panel: each loaded weight vector serves all of them */
 
 enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI512 1
+#define MR 6    /* rows per pass over a panel: each loaded weight vector serves all of them */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_AVX2 1
+#define MR 4
+#else
+#define MR 4
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -259,7 +262,9 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
         case 1: tile(F, 1, __VA_ARGS__); break;           \
         case 2: tile(F, 2, __VA_ARGS__); break;           \
         case 3: tile(F, 3, __VA_ARGS__); break;           \
-        default: tile(F, 4, __VA_ARGS__); break;          \
+        case 4: tile(F, 4, __VA_ARGS__); break;           \
+        case 5: tile(F, MR >= 5 ? 5 : 1, __VA_ARGS__); break; \
+        default: tile(F, MR >= 6 ? 6 : 1, __VA_ARGS__); break; \
     }
 
 /* Quantize the rows of x as the matmul does (for tests and references): q (M, K), d (M, K/32). */

@@ -167,4 +167,5 @@ def gemm(built: KernelLibrary, x: torch.Tensor, w: QuantWeight, bias: torch.Tens
         y.data_ptr(), w.n, rows, w.n, w.k, num_threads or torch.get_num_threads())
     if status != 0:
         raise ValueError(f"quant gemm failed ({status}): K = {w.k}, format {w.fmt}")
-    return y.view(*x.shape[:-1], w.n).to(x.dtype)
+    y = y.view(*x.shape[:-1], w.n)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
