@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from conveyor.config import BATCH_PRESETS, DTYPES, CacheConfig
+from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, CacheConfig
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
@@ -20,6 +20,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
                             "native bf16 dot products (AVX-512 BF16), float32 elsewhere")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                       help="none: weights as loaded (GGUF dequantized to float); int8: linear layers in int8 "
+                            "(blocks of 32) from any checkpoint; gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default="balanced",
@@ -47,7 +50,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": args.dtype, "threads": args.threads, "device": args.device,
+        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "threads": args.threads, "device": args.device,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# none: weights as loaded; int8: linear layers quantized to int8 (blocks of 32) from any checkpoint;
+# gguf: a GGUF file's Q8_0/Q4_0/Q4_1 tensors kept in their format. See model/quant.py.
+QUANTIZATIONS = ("none", "int8", "gguf")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -44,10 +47,16 @@ class ModelConfig:
     threads: int | None = None        # torch intra-op threads; None leaves torch's default
     device: str = "cpu"
     served_model_name: str | None = None
+    quantization: str = "none"        # one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype not in ("float32", "auto"):
+            raise ValueError(f"quantization {self.quantization!r} runs with float32 activations; "
+                             f"got dtype {self.dtype!r}")
         _positive("threads", self.threads, allow_none=True)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

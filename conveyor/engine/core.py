@@ -62,9 +62,11 @@ class EngineCore:
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
-        self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library)
+        self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library,
+                                       quantized=config.model.quantization != "none")
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
-        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library)
+        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library,
+                                            config.model.quantization)
         arch = self.model.arch
         self.max_model_len = config.scheduler.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:

@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.c", "gemm.c", "layer.c", "decoder.c")
+SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "decoder.c")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "conveyor" / "kernels"
 
 # /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).

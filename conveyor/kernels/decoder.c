@@ -5,7 +5,8 @@
  *
  * The residual stream x [T, hidden] is updated in place. The same arithmetic as calling each kernel
  * from Python, without a Python round trip per operation (which costs more than a decode step's
- * elementwise work). Weights are packed panels (gemm.c); activations float32 or bfloat16.
+ * elementwise work). Weights are packed panels (gemm.c) or quantized blocks (quant.c); activations
+ * float32 or bfloat16 (float32 with quantized weights).
  */
 #include <stdint.h>
 
@@ -20,16 +21,21 @@ int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_
                int64_t num_threads);
 void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
               int64_t num_threads);
+int quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t fmt, const float *bias, float *y,
+               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
                     int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
                     int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int is_bf16);
 
-/* Per-layer constants, set once at load. Pointers: packed weights, optional biases (NULL: none). */
+/* Per-layer constants, set once at load. Pointers: weights, optional biases (NULL: none). A weight is
+ * a packed float panel set (gemm.c) when its format is -1, else blocks of a quant.c format (float32
+ * activations only), for qkv, o, gate_up, down in that order. */
 typedef struct {
     const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
     float eps, scale;
+    int64_t format[4];
 } layer_t;
 
 /* Per-step inputs shared by every layer: RoPE tables, cache slots and the attention plan. */
@@ -41,8 +47,18 @@ typedef struct {
     int is_bf16;
 } step_t;
 
-static int linear(const step_t *s, const void *x, int64_t ldx, const void *w, const void *bias, const void *res,
-                  void *y, int64_t N, int64_t K) {
+/* y = x W^T (+ bias) (+ res). A quantized weight has no residual epilogue: its product goes to tmp
+ * [T, N] first, then is added, as an unfused add would. */
+static int linear(const step_t *s, int64_t format, const void *x, int64_t ldx, const void *w, const void *bias,
+                  const void *res, void *y, int64_t N, int64_t K, float *tmp) {
+    if (format >= 0) {
+        if (s->is_bf16) return -1;
+        float *out = res ? tmp : (float *)y;
+        const int status = quant_gemm(x, ldx, w, format, bias, out, N, s->T, N, K, s->num_threads);
+        if (res)
+            for (int64_t i = 0; i < s->T * N; i++) ((float *)y)[i] = ((const float *)res)[i] + out[i];
+        return status;
+    }
     if (s->is_bf16)
         return gemm_bf16(x, ldx, w, bias, res, N, y, N, s->T, N, K, s->num_threads);
     return gemm_f32(x, ldx, w, bias, res, N, y, N, s->T, N, K, s->num_threads);
@@ -56,16 +72,16 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     char *gate_up = attn + T * q_width * E, *act = gate_up + T * 2 * I * E;
     int status = 0;
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
-    status |= linear(s, h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden);
+    status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
     status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, s->cos, s->sin, s->slots, k_cache, v_cache,
                          s->block_size, s->is_bf16, s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
                               l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16);
-    status |= linear(s, attn, q_width, l->o, l->o_bias, x, x, hidden, q_width);
+    status |= linear(s, l->format[1], attn, q_width, l->o, l->o_bias, x, x, hidden, q_width, (float *)h);
     rmsnorm(x, hidden, l->ln2, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
-    status |= linear(s, h, hidden, l->gate_up, l->gate_up_bias, 0, gate_up, 2 * I, hidden);
+    status |= linear(s, l->format[2], h, hidden, l->gate_up, l->gate_up_bias, 0, gate_up, 2 * I, hidden, 0);
     silu_mul(gate_up, 2 * I, act, I, T, I, s->is_bf16, s->num_threads);
-    status |= linear(s, act, I, l->down, l->down_bias, x, x, hidden, I);
+    status |= linear(s, l->format[3], act, I, l->down, l->down_bias, x, x, hidden, I, (float *)h);
     return status ? -1 : 0;
 }

@@ -7,6 +7,7 @@ import ctypes
 
 import torch
 
+from conveyor.kernels import quant
 from conveyor.kernels.build import KernelLibrary
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -16,7 +17,7 @@ class LayerParams(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up",
                                         "gate_up_bias", "down", "down_bias")] + \
                [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
-               [("eps", _F32), ("scale", _F32)]
+               [("eps", _F32), ("scale", _F32), ("format", _I64 * 4)]
 
 
 class StepParams(ctypes.Structure):
@@ -35,13 +36,22 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _weight(linear) -> tuple[int, int]:
+    """(pointer, format): a packed float linear (.packed) is format -1, a quantized one (.weight, a
+    QuantWeight) its quant.c format code."""
+    if hasattr(linear, "packed"):
+        return linear.packed.data_ptr(), -1
+    return linear.weight.data.data_ptr(), quant.FORMATS[linear.weight.fmt]
+
+
 def layer_params(ln1: torch.Tensor, qkv, o, ln2: torch.Tensor, gate_up, down, *, eps: float, heads: int,
                  kv_heads: int, head_dim: int, window: int | None, scale: float) -> LayerParams:
-    """From a layer's norm weights and packed linears (objects with .packed, .bias, shapes)."""
+    """From a layer's norm weights and its linears (PackedLinear or QuantLinear: .bias, shapes)."""
+    (w_qkv, f_qkv), (w_o, f_o), (w_gu, f_gu), (w_down, f_down) = map(_weight, (qkv, o, gate_up, down))
     return LayerParams(
-        _ptr(ln1), _ptr(qkv.packed), _ptr(qkv.bias), _ptr(o.packed), _ptr(o.bias), _ptr(ln2),
-        _ptr(gate_up.packed), _ptr(gate_up.bias), _ptr(down.packed), _ptr(down.bias),
-        o.out_features, heads, kv_heads, head_dim, down.in_features, window or 0, eps, scale)
+        _ptr(ln1), w_qkv, _ptr(qkv.bias), w_o, _ptr(o.bias), _ptr(ln2), w_gu, _ptr(gate_up.bias), w_down,
+        _ptr(down.bias), o.out_features, heads, kv_heads, head_dim, down.in_features, window or 0, eps, scale,
+        (_I64 * 4)(f_qkv, f_o, f_gu, f_down))
 
 
 def scratch_elements(params: LayerParams, num_tokens: int) -> int:

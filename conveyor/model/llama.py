@@ -14,6 +14,7 @@ from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.kernels.gemm import can_pack
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear_residual
+from conveyor.model.quant import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,11 @@ class DecoderLayer(nn.Module):
         """Describe this layer to the one-call C kernel; False if a part of it cannot run there."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, PackedLinear) for m in linears):
+        quantized = [isinstance(m, QuantLinear) for m in linears]
+        if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
             return False
+        if any(quantized) and self.input_layernorm.weight.dtype != torch.float32:
+            return False   # the quantized matmul takes float32 activations
         self.fused = decoder_kernel.layer_params(
             self.input_layernorm.weight, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm.weight,
             mlp.gate_up_proj, mlp.down_proj, eps=self.input_layernorm.eps, heads=attn.num_heads,

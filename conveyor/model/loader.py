@@ -14,9 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from conveyor.config import QUANTIZATIONS
 from conveyor.errors import ModelLoadError
-from conveyor.kernels import KernelLibrary
+from conveyor.kernels import KernelLibrary, quant
+from conveyor.kernels.quant import QuantWeight
 from conveyor.model.llama import LlamaModel, ModelArch
+from conveyor.model.quant import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +64,22 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               kernel_library: KernelLibrary | None = None) -> LlamaModel:
+               kernel_library: KernelLibrary | None = None, quantization: str = "none") -> LlamaModel:
     """Build the model for a resolved path and fill in its weights; with a kernel library, the
-    linear layers run on its packed matmul."""
+    linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py)."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "gguf" and not path.is_file():
+        raise ModelLoadError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {path} is a "
+                             "folder: use 'int8' for float checkpoints")
+    if quantization != "none" and (kernel_library is None or dtype != torch.float32):
+        logger.warning("quantization %s needs the C kernels and float32 activations; loading float weights",
+                       quantization)
+        quantization = "none"
+    gguf_weights: dict[str, QuantWeight] | None = {} if quantization == "gguf" else None
     try:
         if path.is_file():
-            arch, weights, freq_factors = _open_gguf(path)
+            arch, weights, freq_factors = _open_gguf(path, gguf_weights)
         else:
             arch, weights, freq_factors = _open_hf_folder(path)
         with torch.device("meta"):
@@ -82,6 +95,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         raise ModelLoadError(f"cannot load {path}: {exc}") from exc
     model.eval()
     if kernel_library is not None:
+        quantize_linears(model, kernel_library, quantization, gguf_weights)
         model.use_kernels(kernel_library)
     logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
                 arch.num_layers, arch.num_parameters / 1e6, dtype, device)
@@ -245,7 +259,13 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open_gguf(path: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None]:
+# GGUF tensor types that can stay quantized -> our format names (kernels/quant.py).
+_KEPT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def _open_gguf(path: Path, kept: dict[str, QuantWeight] | None = None
+               ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None]:
+    """With `kept`, the 2-D Q8_0 / Q4_0 / Q4_1 tensors are also stored there, repacked, by name."""
     import gguf
 
     reader = _gguf_reader(path)
@@ -271,8 +291,14 @@ def _open_gguf(path: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]
             else:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
             w = gguf.quants.dequantize(t.data, t.tensor_type)
+            raw = t.data
             if name == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-                w = _unpermute_rope_rows(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
+                heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
+                w = _unpermute_rope_rows(w, heads)
+                raw = _unpermute_rope_rows(raw, heads) if raw.ndim == 2 else raw
+            fmt = _KEPT_TYPES.get(t.tensor_type.name)
+            if kept is not None and fmt is not None and w.ndim == 2 and w.shape[1] % quant.QK == 0:
+                kept[hf_name] = quant.from_gguf_blocks(fmt, raw, *w.shape)
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
     return arch, weights(), freq_factors

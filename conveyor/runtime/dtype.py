@@ -9,7 +9,8 @@ from conveyor.kernels import KernelLibrary
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def choose_dtype(name: str, device: torch.device, library: KernelLibrary | None) -> tuple[torch.dtype, str]:
+def choose_dtype(name: str, device: torch.device, library: KernelLibrary | None,
+                 quantized: bool = False) -> tuple[torch.dtype, str]:
     """(dtype, why). "auto" takes bfloat16 where the hardware multiplies it natively and float32 elsewhere.
 
     On CPU, bfloat16 halves the bytes a decode step streams and doubles the matmul rate, but only with a
@@ -18,6 +19,8 @@ def choose_dtype(name: str, device: torch.device, library: KernelLibrary | None)
     """
     if name != "auto":
         return DTYPES[name], "as requested"
+    if quantized:
+        return torch.float32, "auto: quantized weights run with float32 activations"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: the GPU supports bfloat16"

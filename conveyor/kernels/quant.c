@@ -1,0 +1,326 @@
+/* Matmul on weights kept quantized in blocks of 32 along K: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+ *
+ * Weights are repacked at load (see quant.py) into panels of NR = 32 output channels; a panel is a
+ * run of K/32 blocks, each block holding unsigned codes, then fp16 scales d (and fp16 mins m):
+ *   Q8   : codes u8[8 groups][32 ch][4 k]                 1024 B, d[32]          -> 1088 B / 1024 w
+ *   Q4_0 : nibbles u8[8 groups][16 ch][4 k] (lo = ch c,   512 B, d[32]          ->  576 B
+ *          hi = ch c + 16)
+ *   Q4_1 : as Q4_0, then m[32]                                                  ->  640 B
+ * A weight is d * (code - zp) (+ m for Q4_1), zp = 128 (Q8), 8 (Q4_0), 0 (Q4_1). Four consecutive
+ * k per channel sit in one 32-bit lane, the operand layout of vpdpbusd (u8 x s8 -> s32): one
+ * vector of codes times a broadcast of 4 activation bytes gives 16 channels' partial dots at once.
+ *
+ * Activations are quantized per row and per 32-block to int8 (d_x = amax / 127), as llama.cpp's
+ * Q8 activations. Per block the integer dot is exact, and the float step
+ *   acc += float(isum - zp * sum(q_x)) * (d_w * d_x)   (+ m_w * (d_x * sum(q_x)))
+ * runs in one fixed order per row, so a row's output never depends on M or on the other rows.
+ * Code paths: AVX-512 VNNI, AVX2 (maddubs/madd), portable C; chosen by the build flags.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define NR 32
+#define MC 64   /* rows per work item: their quantized activations stay in cache while panels stream */
+
+enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI512 1
+#define MR 6    /* rows per pass over a panel: each loaded weight vector serves all of them */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#define MR 4
+#else
+#define MR 4
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+static inline int64_t code_bytes(int fmt) { return fmt == FMT_Q8 ? 1024 : 512; }
+static inline int64_t block_bytes(int fmt) { return code_bytes(fmt) + (fmt == FMT_Q4_1 ? 128 : 64); }
+static inline int zero_point(int fmt) { return fmt == FMT_Q8 ? 128 : fmt == FMT_Q4_0 ? 8 : 0; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else {   /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1; e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One row: per 32-block scale d = amax / 127, codes q = round(x / d), and sum(q) for the zero points. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s, float *sd) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
+            q[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = sum;
+        sd[b] = scale * (float)sum;
+    }
+}
+
+/* ------------------------------------------------------------------ tiles: mr rows x one panel */
+
+#if defined(HAVE_VNNI512)
+INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, const int8_t *qx, int64_t K,
+                 const float *dx, const int32_t *sx, const float *sxd, const float *bias, float *y,
+                 int64_t ldy, int64_t nc) {
+    __m512 acc[MR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *blk = w + kb * block_bytes(fmt);
+        const uint8_t *sc = blk + code_bytes(fmt);
+        __m512i dot[MR][2];
+        for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m512i w0, w1;
+            if (fmt == FMT_Q8) {
+                w0 = _mm512_loadu_si512(blk + g * 128);
+                w1 = _mm512_loadu_si512(blk + g * 128 + 64);
+            } else {
+                const __m512i v = _mm512_loadu_si512(blk + g * 64);
+                w0 = _mm512_and_si512(v, low4);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, qx + r * K + kb * QK + g * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
+                dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
+            }
+        }
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        for (int r = 0; r < mr; r++) {
+            const int64_t i = r * KB + kb;
+            if (fmt != FMT_Q4_1) {
+                const __m512i zs = _mm512_set1_epi32(zero_point(fmt) * sx[i]);
+                dot[r][0] = _mm512_sub_epi32(dot[r][0], zs);
+                dot[r][1] = _mm512_sub_epi32(dot[r][1], zs);
+            }
+            const __m512 s = _mm512_set1_ps(dx[i]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(d0, s), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(d1, s), acc[r][1]);
+        }
+        if (fmt == FMT_Q4_1) {
+            const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 64)));
+            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 96)));
+            for (int r = 0; r < mr; r++) {
+                const __m512 t = _mm512_set1_ps(sxd[r * KB + kb]);
+                acc[r][0] = _mm512_fmadd_ps(m0, t, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(m1, t, acc[r][1]);
+            }
+        }
+    }
+    const __mmask16 k0 = nc >= 16 ? 0xffff : (__mmask16)((1u << nc) - 1);
+    const __mmask16 k1 = nc >= 32 ? 0xffff : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) { b0 = _mm512_maskz_loadu_ps(k0, bias); b1 = _mm512_maskz_loadu_ps(k1, bias + 16); }
+    for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, _mm512_add_ps(acc[r][0], b0));
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, _mm512_add_ps(acc[r][1], b1));
+    }
+}
+#elif defined(HAVE_AVX2)
+/* 16 registers: the panel goes in two halves of 16 channels (two 8-lane vectors each). */
+INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, const int8_t *qx, int64_t K,
+                 const float *dx, const int32_t *sx, const float *sxd, const float *bias, float *y,
+                 int64_t ldy, int64_t nc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        const int64_t cols = nc - h * 16;
+        if (cols <= 0) break;
+        __m256 acc[MR][2];
+        for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const uint8_t *blk = w + kb * block_bytes(fmt);
+            const uint8_t *sc = blk + code_bytes(fmt);
+            __m256i dot[MR][2];
+            for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i w0, w1;
+                if (fmt == FMT_Q8) {   /* back to signed codes; |q| with the sign moved onto x keeps maddubs from saturating */
+                    w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64)), flip);
+                    w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64 + 32)), flip);
+                } else {
+                    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + g * 64));
+                    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + g * 64 + 32));
+                    w0 = _mm256_and_si256(h ? _mm256_srli_epi16(v0, 4) : v0, low4);
+                    w1 = _mm256_and_si256(h ? _mm256_srli_epi16(v1, 4) : v1, low4);
+                }
+                for (int r = 0; r < mr; r++) {
+                    int32_t four;
+                    memcpy(&four, qx + r * K + kb * QK + g * 4, 4);
+                    const __m256i xb = _mm256_set1_epi32(four);
+                    __m256i p0, p1;
+                    if (fmt == FMT_Q8) {
+                        p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(xb, w0));
+                        p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(xb, w1));
+                    } else {
+                        p0 = _mm256_maddubs_epi16(w0, xb);
+                        p1 = _mm256_maddubs_epi16(w1, xb);
+                    }
+                    dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
+                    dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + h * 32)));
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + h * 32 + 16)));
+            for (int r = 0; r < mr; r++) {
+                const int64_t i = r * KB + kb;
+                if (fmt == FMT_Q4_0) {   /* Q8's codes are already signed here */
+                    const __m256i zs = _mm256_set1_epi32(8 * sx[i]);
+                    dot[r][0] = _mm256_sub_epi32(dot[r][0], zs);
+                    dot[r][1] = _mm256_sub_epi32(dot[r][1], zs);
+                }
+                const __m256 s = _mm256_set1_ps(dx[i]);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(d0, s), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(d1, s), acc[r][1]);
+                if (fmt == FMT_Q4_1) {
+                    const __m256 t = _mm256_set1_ps(sxd[i]);
+                    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 64 + h * 32))), t, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 80 + h * 32))), t, acc[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            float out[16];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            float *yr = y + r * ldy + h * 16;
+            for (int64_t j = 0; j < cols && j < 16; j++) yr[j] = out[j] + (bias ? bias[h * 16 + j] : 0.f);
+        }
+    }
+}
+#else
+INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, const int8_t *qx, int64_t K,
+                 const float *dx, const int32_t *sx, const float *sxd, const float *bias, float *y,
+                 int64_t ldy, int64_t nc) {
+    float acc[MR][NR];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *blk = w + kb * block_bytes(fmt);
+        const uint16_t *sc = (const uint16_t *)(blk + code_bytes(fmt));
+        uint8_t codes[NR][QK];   /* [channel][k] */
+        for (int g = 0; g < 8; g++)
+            for (int c = 0; c < NR; c++)
+                for (int i = 0; i < 4; i++) {
+                    if (fmt == FMT_Q8) codes[c][g * 4 + i] = blk[g * 128 + c * 4 + i];
+                    else {
+                        const uint8_t v = blk[g * 64 + (c & 15) * 4 + i];
+                        codes[c][g * 4 + i] = c < 16 ? v & 15 : v >> 4;
+                    }
+                }
+        for (int r = 0; r < mr; r++) {
+            const int8_t *q = qx + r * K + kb * QK;
+            const int64_t i = r * KB + kb;
+            for (int c = 0; c < NR; c++) {
+                int32_t dot = 0;
+                for (int k = 0; k < QK; k++) dot += (int32_t)codes[c][k] * q[k];
+                dot -= zero_point(fmt) * sx[i];
+                acc[r][c] += (float)dot * (half_to_float(sc[c]) * dx[i]);
+                if (fmt == FMT_Q4_1) acc[r][c] += half_to_float(sc[NR + c]) * sxd[i];
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < nc; j++) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+#endif
+
+/* Constant (format, rows) pairs, so each tile's loops unroll and its accumulators stay in registers. */
+#define ROWS(F, mr, ...)                                  \
+    switch (mr) {                                         \
+        case 1: tile(F, 1, __VA_ARGS__); break;           \
+        case 2: tile(F, 2, __VA_ARGS__); break;           \
+        case 3: tile(F, 3, __VA_ARGS__); break;           \
+        case 4: tile(F, 4, __VA_ARGS__); break;           \
+        case 5: tile(F, MR >= 5 ? 5 : 1, __VA_ARGS__); break; \
+        default: tile(F, MR >= 6 ? 6 : 1, __VA_ARGS__); break; \
+    }
+
+/* Quantize the rows of x as the matmul does (for tests and references): q (M, K), d (M, K/32). */
+int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *d) {
+    if (K % QK) return -1;
+    int32_t *s = malloc(sizeof(int32_t) * (K / QK));
+    float *sd = malloc(sizeof(float) * (K / QK));
+    if (!s || !sd) { free(s); free(sd); return -2; }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, q + m * K, d + m * (K / QK), s, sd);
+    free(s);
+    free(sd);
+    return 0;
+}
+
+/* Work items are (block of MC rows, panel of NR columns), block-major, split statically over threads. */
+int quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t fmt, const float *bias, float *y,
+               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    if (K % QK || fmt < FMT_Q8 || fmt > FMT_Q4_1) return -1;
+    if (M <= 0) return 0;
+    const int64_t KB = K / QK, panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    int8_t *qx = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * M * KB), *sxd = malloc(sizeof(float) * M * KB);
+    int32_t *sx = malloc(sizeof(int32_t) * M * KB);
+    if (!qx || !dx || !sxd || !sx) { free(qx); free(dx); free(sxd); free(sx); return -2; }
+    int64_t nt = num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * ldx, K, qx + m * K, dx + m * KB, sx + m * KB, sxd + m * KB);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+            const int64_t n0 = p * NR, nc = min64(NR, N - n0);
+            const uint8_t *wp = w + p * KB * block_bytes((int)fmt);
+            const float *bp = bias ? bias + n0 : 0;
+            for (int64_t m = (item / panels) * MC; m < m_end; m += MR) {
+                const int mr = (int)min64(MR, m_end - m);
+                const int64_t a = m * KB;
+                if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+                else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+                else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+            }
+        }
+    }
+    free(qx); free(dx); free(sxd); free(sx);
+    return 0;
+}
+
+/* Which code path this build took, for logs and tests: 0 portable, 1 AVX2, 2 AVX-512 VNNI. */
+int quant_isa(void) {
+#if defined(HAVE_VNNI512)
+    return 2;
+#elif defined(HAVE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,178 @@
+"""Models with weights kept quantized: a tiny GGUF with Q8_0 / Q4_0 / Q4_1 tensors loads without
+dequantizing, stands for exactly the file's weights, tracks the float model's logits and greedy
+tokens, and gives each row the same bits alone or in a batch (also for int8 from a float checkpoint)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor import kernels
+from conveyor.kernels import gemm, quant
+from conveyor.model.attention import RowSpec, build_metadata
+from conveyor.model.llama import LlamaModel
+from conveyor.model.loader import load_model
+from conveyor.model.quant import QuantLinear
+from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.model_runner import kernel_tile_size
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 320
+BLOCK_SIZE = 16
+# Every supported type in use, fused groups included: q/k/v Q8_0, gate/up Q4_1, the rest Q4_0.
+TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("quant") / "tiny.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+
+    def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.2) -> None:
+        w = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if kind == "F32":
+            writer.add_tensor(name, w + (1.0 if name.endswith("norm.weight") else 0.0))
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (VOCAB, HIDDEN), "Q8_0", scale=1.0)
+    add("output_norm.weight", (HIDDEN,))
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,))
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,))
+        for kind, shape in shapes.items():
+            add(f"blk.{i}.{kind}.weight", shape, TYPES[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _load(path: Path, quantization: str) -> LlamaModel:
+    return load_model(path, kernel_library=kernels.library(), quantization=quantization)
+
+
+def _forward(model: LlamaModel, cache: KVCache, rows: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+    """One packed step; rows are (new token ids, tokens already cached, block table)."""
+    input_ids, positions, specs = [], [], []
+    for tokens, cached, table in rows:
+        specs.append(RowSpec(token_start=len(input_ids), num_query=len(tokens),
+                             context_len=cached + len(tokens), block_table=table))
+        input_ids += tokens
+        positions += range(cached, cached + len(tokens))
+    meta = build_metadata(specs, block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"),
+                          kernel_tile_size=_tile(model))
+    with torch.no_grad():
+        logits = model(torch.tensor(input_ids), torch.tensor(positions), meta, cache.layers,
+                       torch.arange(len(input_ids)))
+    return list(logits.split([len(t) for t, _, _ in rows]))
+
+
+def _tile(model: LlamaModel) -> int:
+    return kernel_tile_size(model, BLOCK_SIZE, torch.device("cpu"))
+
+
+def _cache(model: LlamaModel) -> KVCache:
+    return KVCache(model.arch, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32,
+                   transposed_keys=_tile(model) > 0)
+
+
+def _greedy(model: LlamaModel, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill all prompts in one batch, then decode them together; tokens and every step's logits."""
+    cache = _cache(model)
+    per_row = math.ceil((max(map(len, prompts)) + steps) / BLOCK_SIZE)
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(len(prompts))]
+    out = _forward(model, cache, [(p, 0, t) for p, t in zip(prompts, tables)])
+    logits = [o[-1:] for o in out]
+    tokens = [[int(o[-1].argmax())] for o in out]
+    for _ in range(steps - 1):
+        out = _forward(model, cache, [([tok[-1]], len(p) + len(tok) - 1, t)
+                                      for p, tok, t in zip(prompts, tokens, tables)])
+        for i, o in enumerate(out):
+            logits[i] = torch.cat([logits[i], o])
+            tokens[i].append(int(o[-1].argmax()))
+    return tokens, logits
+
+
+PROMPTS = [[5, 17, 33, 250, 8, 99, 100, 7, 64, 3, 12, 200], [42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 300, 301]]
+
+
+def test_gguf_tensors_stay_quantized_and_equal_the_file(tiny_gguf: Path) -> None:
+    floats, kept = _load(tiny_gguf, "none"), _load(tiny_gguf, "gguf")
+    layer = kept.layers[0]
+    formats = {"self_attn.qkv_proj": "q8_0", "self_attn.o_proj": "q4_0", "mlp.gate_up_proj": "q4_1",
+               "mlp.down_proj": "q4_0"}
+    for name, fmt in formats.items():
+        module = layer.get_submodule(name)
+        assert isinstance(module, QuantLinear) and module.weight.fmt == fmt
+        packed = floats.layers[0].get_submodule(name)
+        # Same values as the dequantized file, after the q/k row un-permutation and q/k/v fusing.
+        assert torch.equal(quant.dequantize(module.weight), gemm.unpack(packed.packed, packed.out_features))
+    assert isinstance(kept.lm_head, QuantLinear) and kept.lm_head.weight.fmt == "q8_0"
+    assert torch.equal(quant.dequantize(kept.lm_head.weight), kept.embed_tokens.weight)
+    weight_bytes = sum(b.numel() for b in kept.buffers())
+    float_bytes = sum(p.numel() * 4 for n, p in floats.named_parameters() if "packed" in n)
+    assert weight_bytes < float_bytes / 3
+
+
+def _agreement(floats: LlamaModel, other: LlamaModel) -> tuple[float, float]:
+    """Teacher-forced over the float model's greedy continuations: (top-1 agreement, relative rms error)."""
+    tokens, _ = _greedy(floats, PROMPTS, steps=8)
+    sequences = [p + t for p, t in zip(PROMPTS, tokens)]
+    cache_f, cache_o = _cache(floats), _cache(other)
+    rows = [(s, 0, list(range(i * 2, i * 2 + 2))) for i, s in enumerate(sequences)]
+    ref, ours = torch.cat(_forward(floats, cache_f, rows)), torch.cat(_forward(other, cache_o, rows))
+    agree = (ref.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    return agree, ((ref - ours).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+
+
+def test_kept_quantized_tracks_the_float_model(tiny_gguf: Path) -> None:
+    # The weights are the same values; only the activations' int8 rounding separates the two.
+    agree, rms = _agreement(_load(tiny_gguf, "none"), _load(tiny_gguf, "gguf"))
+    assert agree >= 0.9 and rms <= 0.05, (agree, rms)
+
+
+@pytest.mark.parametrize("source,quantization", [("gguf", "gguf"), ("hf", "int8"), ("gguf", "int8")])
+def test_batched_equals_alone(tiny_gguf: Path, tiny_llama: Path, source: str, quantization: str) -> None:
+    model = _load(tiny_gguf if source == "gguf" else tiny_llama, quantization)
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    batched_tokens, batched_logits = _greedy(model, PROMPTS, steps=6)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logits = _greedy(model, [prompt], steps=6)
+        assert tokens[0] == batched_tokens[i]
+        assert torch.equal(logits[0], batched_logits[i]), f"prompt {i}: batched logits differ from alone"
+
+
+def test_int8_from_float_checkpoint_is_close(tiny_llama: Path) -> None:
+    floats, int8 = _load(tiny_llama, "none"), _load(tiny_llama, "int8")
+    assert isinstance(int8.lm_head, QuantLinear) and isinstance(int8.layers[0].mlp.down_proj, QuantLinear)
+    agree, rms = _agreement(floats, int8)
+    assert agree >= 0.9 and rms <= 0.05, (agree, rms)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_llama: Path) -> None:
+    from conveyor.errors import ModelLoadError
+    with pytest.raises(ModelLoadError, match="int8"):
+        _load(tiny_llama, "gguf")
