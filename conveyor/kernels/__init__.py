@@ -37,10 +37,6 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
         getattr(lib, name).argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64]
     lib.rmsnorm.restype = None
     lib.rmsnorm.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT, _I64]
-    lib.silu_mul.restype = None
-    lib.silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT, _I64]
-    lib.rope_cache.restype = ctypes.c_int
-    lib.rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _I64]
     decoder.declare(lib)
     lib.gemm_isa.restype = ctypes.c_int
     lib.gemm_isa.argtypes = []
