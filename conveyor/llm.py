@@ -44,6 +44,9 @@ class LLM:
     """Runs many prompts through one continuous batch; outputs come back in input order."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        # Offline, nobody waits on each token: steps are sized for throughput unless asked otherwise
+        # (the balanced preset's latency target cost 20-25 % of offline throughput, see BENCHMARKS.md).
+        engine_options.setdefault("batch_preset", "throughput")
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
