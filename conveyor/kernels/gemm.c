@@ -115,6 +115,8 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
                 acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
             }
         }
+        /* Unrolled like the loops above: a run-time index would keep the accumulators in memory. */
+#pragma GCC unroll 6
         for (int r = 0; r < mr; r++) {
             float out[16];
             _mm256_storeu_ps(out, acc[r][0]);
@@ -125,6 +127,41 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
                 const float v = rounded(out[j] + (bias ? bias[half * 16 + j] : 0.f));
                 yr[j] = rr ? v + rr[j] : v;
             }
+        }
+    }
+}
+
+/* Few rows: all 32 columns in one pass, so a panel streams from memory once and contiguously (the
+ * 16-column passes above read every other cache line and stream at about 2/3 of the bandwidth).
+ * Same arithmetic per output as tile_f32, so either may compute any row. */
+#define MR_F32_WIDE 3
+#define WIDE_MAX_ROWS 64   /* measured on Zen 3: wide tiles win up to M = 64, the 6 x 16 ones from 256 */
+INLINE void tile_f32_wide(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                          const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int64_t nc) {
+    __m256 acc[MR_F32_WIDE][4];
+#pragma GCC unroll 3
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 xv[MR_F32_WIDE];
+#pragma GCC unroll 3
+        for (int r = 0; r < mr; r++) xv[r] = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m256 wv = _mm256_loadu_ps(w + k * NR + 8 * j);
+#pragma GCC unroll 3
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(xv[r], wv, acc[r][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < mr; r++) {
+        float out[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, acc[r][j]);
+        float *yr = y + r * ldy;
+        const float *rr = res ? res + r * ldr : 0;
+        for (int64_t j = 0; j < nc; j++) {
+            const float v = rounded(out[j] + (bias ? bias[j] : 0.f));
+            yr[j] = rr ? v + rr[j] : v;
         }
     }
 }
@@ -229,19 +266,37 @@ INLINE void tile_bf16(const int mr, const uint16_t *x, int64_t ldx, const uint16
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Work items are (block of MC rows, panel of NR columns), block-major, split statically over threads. */
+/* Blocks of at most MC rows, equal in size: 65 rows go as 33 + 32, not 64 + a lone row that would
+ * stream every weight again through the slowest tile. */
+static inline int64_t block_rows(int64_t M) {
+    const int64_t blocks = (M + MC - 1) / MC;
+    return blocks ? (M + blocks - 1) / blocks : 1;
+}
+
+/* Work items are (block of rows, panel of NR columns), block-major, split statically over threads. */
 int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
              float *y, int64_t ldy,
              int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    const int64_t mc = block_rows(M), panels = (N + NR - 1) / NR, blocks = (M + mc - 1) / mc, items = panels * blocks;
     if (num_threads > items) num_threads = items;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * mc);
         const int64_t n0 = p * NR, nc = min64(NR, N - n0);
         const float *wp = w + p * K * NR;
-        for (int64_t m = (item / panels) * MC; m < m_end; m += MR_F32) {
+        int64_t m = (item / panels) * mc;
+#if defined(MR_F32_WIDE)
+        if (M <= WIDE_MAX_ROWS) {
+            for (; m < m_end; m += MR_F32_WIDE) {
+                const int mr = (int)min64(MR_F32_WIDE, m_end - m);
+                DISPATCH(tile_f32_wide, MR_F32_WIDE, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0,
+                         res ? res + m * ldr + n0 : 0, ldr, y + m * ldy + n0, ldy, nc);
+            }
+            continue;
+        }
+#endif
+        for (; m < m_end; m += MR_F32) {
             const int mr = (int)min64(MR_F32, m_end - m);
             DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
                      ldr, y + m * ldy + n0, ldy, nc);
@@ -255,15 +310,15 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t 
               int64_t ldr, uint16_t *y, int64_t ldy,
               int64_t M, int64_t N, int64_t K, int64_t num_threads) {
     if (K % 2) return -1;
-    const int64_t panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    const int64_t mc = block_rows(M), panels = (N + NR - 1) / NR, blocks = (M + mc - 1) / mc, items = panels * blocks;
     if (num_threads > items) num_threads = items;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * mc);
         const int64_t n0 = p * NR, nc = min64(NR, N - n0);
         const uint16_t *wp = w + p * K * NR;
-        for (int64_t m = (item / panels) * MC; m < m_end; m += MR_BF16) {
+        for (int64_t m = (item / panels) * mc; m < m_end; m += MR_BF16) {
             const int mr = (int)min64(MR_BF16, m_end - m);
             DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
                      ldr, y + m * ldy + n0, ldy, nc);
