@@ -60,45 +60,60 @@ static inline void store_row(void *base, int64_t offset, const float *src, int64
     }
 }
 
-/* Sixteen lanes as one value: gcc maps it to one AVX-512 register, two AVX2 ones, or four SSE ones.
- * Lanes never mix, so each lane's arithmetic is the same whatever the vector width. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define KC 16       /* keys per chunk: one v16 of scores */
-#define QU 4        /* query vectors whose score sums run interleaved (independent chains) */
+/* Vectors of the CPU's native width (16 lanes with AVX-512, 8 with AVX2, 4 otherwise): wider gcc
+ * vectors than the registers are kept in memory. Lanes never mix, so each lane's arithmetic is the
+ * same whatever the width. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+#define KC 16            /* keys per chunk */
+#define NV (KC / VW)     /* vectors per chunk of keys */
+#define QU 4             /* queries whose score sums run interleaved (independent chains) */
 
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf load_v(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
-static inline v16 select16(v16i mask, v16 a, v16 b) {   /* mask lanes -1: a, 0: b */
-    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+static inline vf splat(float x) { return x - (vf){0}; }
+
+static inline vf select_v(vi mask, vf a, vf b) {   /* mask lanes -1: a, 0: b */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
 
 /* exp(x) for x <= 0 in plain lane arithmetic: 2^n * e^r with a degree-6 Taylor polynomial on
  * |r| <= ln2/2, about 1 ulp; below -87 it is ~1e-38 (callers zero the lanes that must be 0). */
-static inline v16 exp_neg(v16 x) {
-    x = select16(x < splat(-87.f), splat(-87.f), x);
-    x = select16(x > splat(0.f), splat(0.f), x);
-    const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  /* truncating a negative rounds */
-    const v16 r = x - __builtin_convertvector(n, v16) * 0.693147181f;
-    v16 p = splat(1.f / 720.f);
+static inline vf exp_neg(vf x) {
+    x = select_v(x < splat(-87.f), splat(-87.f), x);
+    x = select_v(x > splat(0.f), splat(0.f), x);
+    const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  /* truncating a negative rounds */
+    const vf r = x - __builtin_convertvector(n, vf) * 0.693147181f;
+    vf p = splat(1.f / 720.f);
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
     p = p * r + 1.f / 6.f;
     p = p * r + 0.5f;
     p = p * r + 1.f;
     p = p * r + 1.f;
-    return p * (v16)((n + 127) << 23);
+    return p * (vf)((n + 127) << 23);
 }
 
 /* Keys are taken in chunks of up to KC, never across a block: a query's chunks depend only on its own
  * context, so its softmax is rescaled at the same points whatever tile or step it is computed in. */
 static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
     const int64_t first = j->tile_start[tile], nq = j->tile_start[tile + 1] - first;
-    const int64_t G = j->H / j->KV, D = j->D, DV = j->D / KC, bs = j->bs, KV = j->KV;
+    const int64_t G = j->H / j->KV, D = j->D, DV = j->D / VW, bs = j->bs, KV = j->KV;
     const int64_t A = nq * G, A_pad = (A + QU - 1) / QU * QU;
     const int64_t *table = j->tables + j->rows[first] * j->max_blocks;
-    float q[MAX_QG + QU][MAX_D];
-    v16 acc[MAX_QG][MAX_D / KC], kT[MAX_D], vf[KC][MAX_D / KC], p[MAX_QG + QU];
+    float q[MAX_QG + QU][MAX_D], kbuf[MAX_D][KC], vbuf[KC][MAX_D];
+    vf acc[MAX_QG][MAX_D / VW], p[MAX_QG + QU][NV];
     float m[MAX_QG], l[MAX_QG];
     int64_t start[MAX_QG], ctx[MAX_QG];
     int64_t lo_all = INT64_MAX, hi_all = 0;
@@ -118,50 +133,104 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
     }
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
     const int64_t chunk = bs < KC ? bs : KC;
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane[NV];
+    for (int u = 0; u < NV; u++)
+        for (int k = 0; k < VW; k++) lane[u][k] = u * VW + k;
     for (int64_t c0 = lo_all - lo_all % chunk; c0 < hi_all; c0 += chunk) {
         const int64_t block = table[c0 / bs], off = c0 % bs;
         const int64_t n_keys = (hi_all - c0) < chunk ? (hi_all - c0) : chunk;
-        /* The chunk's keys (lanes = keys; lanes past n_keys zero) and values, widened once for the tile. */
+        /* The chunk's keys (lanes = keys) and values. float32 ones are read where they lie, except the
+         * keys of a partial chunk, copied so that the lanes past n_keys are zeros, not whatever follows
+         * in the block; bfloat16 ones are widened once for the tile. */
         const int64_t kbase = (block * KV + kv) * D * bs + off, vbase = (block * bs * KV + kv) * D + off * KV * D;
-        for (int64_t d = 0; d < D; d++) {
-            kT[d] = splat(0.f);
-            load_row((float *)&kT[d], j->k_cache, kbase + d * bs, n_keys, is_bf16);
+        if (c0 + chunk < hi_all) {   /* the next chunk is another block, somewhere else: start fetching it */
+            const int64_t nb = table[(c0 + chunk) / bs], noff = (c0 + chunk) % bs, E = is_bf16 ? 2 : 4;
+            const char *nk = (const char *)j->k_cache + ((nb * KV + kv) * D * bs + noff) * E;
+            const char *nv = (const char *)j->v_cache + ((nb * bs * KV + kv) * D + noff * KV * D) * E;
+            for (int64_t d = 0; d < D; d++) __builtin_prefetch(nk + d * bs * E);
+            for (int64_t t = 0; t < chunk; t++)
+                for (int64_t b = 0; b < D * E; b += 64) __builtin_prefetch(nv + t * KV * D * E + b);
         }
-        for (int64_t t = 0; t < n_keys; t++) load_row((float *)vf[t], j->v_cache, vbase + t * KV * D, D, is_bf16);
+        const float *keys = &kbuf[0][0], *vals = &vbuf[0][0];
+        int64_t kstride = KC, vstride = MAX_D;
+        if (!is_bf16 && n_keys == KC) {
+            keys = (const float *)j->k_cache + kbase;
+            kstride = bs;
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                memset(kbuf[d], 0, sizeof kbuf[d]);
+                load_row(kbuf[d], j->k_cache, kbase + d * bs, n_keys, is_bf16);
+            }
+        }
+        if (!is_bf16) {
+            vals = (const float *)j->v_cache + vbase;
+            vstride = KV * D;
+        } else {
+            for (int64_t t = 0; t < n_keys; t++) load_row(vbuf[t], j->v_cache, vbase + t * KV * D, D, is_bf16);
+        }
         /* Scores: each lane sums over d in order, one multiply-add chain per (query, key). */
         for (int64_t a0 = 0; a0 < A_pad; a0 += QU) {
-            v16 s0 = splat(0.f), s1 = s0, s2 = s0, s3 = s0;
+            vf s[QU][NV];
+#pragma GCC unroll 4
+            for (int r = 0; r < QU; r++)
+#pragma GCC unroll 4
+                for (int u = 0; u < NV; u++) s[r][u] = splat(0.f);
             for (int64_t d = 0; d < D; d++) {
-                s0 += q[a0][d] * kT[d];
-                s1 += q[a0 + 1][d] * kT[d];
-                s2 += q[a0 + 2][d] * kT[d];
-                s3 += q[a0 + 3][d] * kT[d];
+                vf kd[NV];
+#pragma GCC unroll 4
+                for (int u = 0; u < NV; u++) kd[u] = load_v(keys + d * kstride + u * VW);
+#pragma GCC unroll 4
+                for (int r = 0; r < QU; r++) {
+                    const vf x = splat(q[a0 + r][d]);
+#pragma GCC unroll 4
+                    for (int u = 0; u < NV; u++) s[r][u] += x * kd[u];
+                }
             }
-            p[a0] = s0 * j->scale;
-            p[a0 + 1] = s1 * j->scale;
-            p[a0 + 2] = s2 * j->scale;
-            p[a0 + 3] = s3 * j->scale;
+#pragma GCC unroll 4
+            for (int r = 0; r < QU; r++)
+#pragma GCC unroll 4
+                for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
         }
         /* Online softmax over the keys of this chunk each query sees, then its weighted values. */
         for (int64_t i = 0; i < nq; i++) {
             const int64_t lo = c0 < start[i] ? start[i] - c0 : 0;
             const int64_t hi = (ctx[i] - c0) < n_keys ? (ctx[i] - c0) : n_keys;
             if (lo >= hi) continue;
-            const v16i seen = (lane >= (int32_t)lo) & (lane < (int32_t)hi);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t a = i * G + g;
+                float scores[KC], e[KC];
+                memcpy(scores, p[a], sizeof scores);
                 float bmax = m[a];
-                for (int64_t t = lo; t < hi; t++) bmax = p[a][t] > bmax ? p[a][t] : bmax;
+                for (int64_t t = lo; t < hi; t++) bmax = scores[t] > bmax ? scores[t] : bmax;
                 const float correction = m[a] == -INFINITY ? 0.f : exp_neg(splat(m[a] - bmax))[0];
-                const v16 e = select16(seen, exp_neg(p[a] - bmax), splat(0.f));
+#pragma GCC unroll 4
+                for (int u = 0; u < NV; u++) {
+                    const vi seen = (lane[u] >= (int32_t)lo) & (lane[u] < (int32_t)hi);
+                    const vf ev = select_v(seen, exp_neg(p[a][u] - bmax), splat(0.f));
+                    memcpy(e + u * VW, &ev, sizeof ev);
+                }
                 float sum = 0.f;
                 for (int k = 0; k < KC; k++) sum += e[k];
                 l[a] = l[a] * correction + sum;
                 m[a] = bmax;
-                for (int64_t c = 0; c < DV; c++) {
-                    v16 o = acc[a][c] * correction;
-                    for (int64_t t = lo; t < hi; t++) o += e[t] * vf[t][c];
+                /* Four output vectors at a time stay in registers while the keys' values stream past. */
+                int64_t c = 0;
+                for (; c + 4 <= DV; c += 4) {
+                    vf o[4];
+#pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) o[u] = acc[a][c + u] * correction;
+                    for (int64_t t = lo; t < hi; t++) {
+                        const vf w = splat(e[t]);
+                        const float *vt = vals + t * vstride + c * VW;
+#pragma GCC unroll 4
+                        for (int u = 0; u < 4; u++) o[u] += w * load_v(vt + u * VW);
+                    }
+#pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) acc[a][c + u] = o[u];
+                }
+                for (; c < DV; c++) {
+                    vf o = acc[a][c] * correction;
+                    for (int64_t t = lo; t < hi; t++) o += e[t] * load_v(vals + t * vstride + c * VW);
                     acc[a][c] = o;
                 }
             }

@@ -86,3 +86,21 @@ def test_unsupported_shape_is_refused() -> None:
     with pytest.raises(ValueError, match="unsupported shape"):
         kernels.paged_attention(q, cache.permute(0, 2, 3, 1), cache, torch.zeros(1, 1, dtype=torch.long), one, one + 1, one,
                                 torch.tensor([0, 1]), 1.0, None, torch.empty_like(q))
+
+
+NATIVE = kernels.cpu_features()
+NARROWER = {"avx2": NATIVE & {"avx2", "fma", "f16c"}, "portable": frozenset()}
+
+
+@pytest.mark.parametrize("variant", list(NARROWER))
+def test_narrower_code_paths_match_and_are_step_invariant(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vector width follows the build (16, 8 or 4 lanes): the AVX2 and portable builds give the
+    same answers and the same bits in any step as the native one does."""
+    if variant == "avx2" and not {"avx2", "fma"} <= NATIVE:
+        pytest.skip("this CPU has no AVX2")
+    library = kernels.library_for(frozenset(NARROWER[variant]))
+    assert library is not None
+    monkeypatch.setattr(kernels, "library", lambda: library)
+    test_kernel_matches_torch_path(9, 3, 64, 16, None, torch.float32)
+    test_kernel_matches_torch_path(8, 2, 16, 16, 7, torch.bfloat16)
+    test_a_query_gives_the_same_bits_in_any_step(torch.float32)
