@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define MAX_QG 64   /* queries x heads per tile */
 #define MAX_D 256
 #define MAX_BS 256
@@ -31,6 +33,7 @@ typedef struct {
     int64_t ldq, ldo, max_blocks, H, KV, D, bs, window;
     float scale;
     void *out;
+    int is_bf16;
 } job_t;
 
 static inline void load_row(float *dst, const void *base, int64_t offset, int64_t n, int is_bf16) {
@@ -252,9 +255,13 @@ int64_t attention_tile_size(int64_t H, int64_t KV, int64_t D, int64_t bs) {
     return qt > 16 ? 16 : qt;
 }
 
-/* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers.
- * Threads come from OpenMP: loaded after torch, this library binds to torch's own libgomp, so the
- * kernel runs on torch's thread pool instead of competing with its spinning workers. */
+static void attention_item(void *arg, int64_t item) {
+    const job_t *job = arg;
+    if (job->is_bf16) run_item(job, item / job->KV, item % job->KV, 1);
+    else run_item(job, item / job->KV, item % job->KV, 0);
+}
+
+/* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers. */
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
                     int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
@@ -263,15 +270,8 @@ int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void 
     if (qt == 0) return -1;
     for (int64_t t = 0; t < tiles; t++)
         if (tile_start[t + 1] - tile_start[t] > qt || tile_start[t + 1] <= tile_start[t]) return -1;
-    const job_t job = {q, k_cache, v_cache, tables, rows, ctx_lens, tokens, tile_start, ldq, ldo, max_blocks,
-                       H, KV, D, bs, window, scale, out};
-    const int64_t items = tiles * KV;
-    if (num_threads > items) num_threads = items;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        if (is_bf16) run_item(&job, item / KV, item % KV, 1);
-        else run_item(&job, item / KV, item % KV, 0);
-    }
+    job_t job = {q, k_cache, v_cache, tables, rows, ctx_lens, tokens, tile_start, ldq, ldo, max_blocks,
+                 H, KV, D, bs, window, scale, out, is_bf16};
+    pool_for(tiles * KV, attention_item, &job, num_threads);
     return 0;
 }

@@ -24,7 +24,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "decoder.c")
+SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "decoder.c", "pool.c")
+HEADERS = ("pool.h",)   # hashed into the cache key with the sources
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "conveyor" / "kernels"
 
 # /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).
@@ -41,7 +42,7 @@ FEATURE_FLAGS: dict[str, str] = {
     "avx_vnni": "-mavxvnni",
 }
 # Reassociation lets gcc vectorise the portable loops; finite-math stays off because the kernels use -inf.
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fassociative-math", "-fno-signed-zeros",
               "-fno-trapping-math", "-fno-math-errno", "-mtune=generic")
 
 
@@ -110,7 +111,7 @@ def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> Kern
     flags = [*BASE_FLAGS, *(FEATURE_FLAGS[f] for f in sorted(features))]
     sources = [SOURCE_DIR / name for name in SOURCES]
     key = hashlib.sha256()
-    for source in sources:
+    for source in [*sources, *(SOURCE_DIR / name for name in HEADERS)]:
         key.update(source.name.encode() + b"\0" + source.read_bytes())
     key.update("\0".join([*flags, version, *sorted(features)]).encode())
     directory = _writable(cache_dir)

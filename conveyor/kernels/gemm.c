@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -273,57 +275,72 @@ static inline int64_t block_rows(int64_t M) {
     return blocks ? (M + blocks - 1) / blocks : 1;
 }
 
-/* Work items are (block of rows, panel of NR columns), block-major, split statically over threads. */
-int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
-             float *y, int64_t ldy,
-             int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    const int64_t mc = block_rows(M), panels = (N + NR - 1) / NR, blocks = (M + mc - 1) / mc, items = panels * blocks;
-    if (num_threads > items) num_threads = items;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * mc);
-        const int64_t n0 = p * NR, nc = min64(NR, N - n0);
-        const float *wp = w + p * K * NR;
-        int64_t m = (item / panels) * mc;
+typedef struct {
+    const void *x, *w, *bias, *res;
+    void *y;
+    int64_t ldx, ldr, ldy, M, N, K, mc, panels;
+} gemm_job;
+
+/* Work items are (block of rows, panel of NR columns), block-major. */
+static void gemm_f32_item(void *arg, int64_t item) {
+    const gemm_job *j = arg;
+    const float *x = j->x, *w = j->w, *bias = j->bias, *res = j->res;
+    float *y = j->y;
+    const int64_t ldx = j->ldx, ldr = j->ldr, ldy = j->ldy, M = j->M, N = j->N, K = j->K, panels = j->panels;
+    const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * j->mc);
+    const int64_t n0 = p * NR, nc = min64(NR, N - n0);
+    const float *wp = w + p * K * NR;
+    int64_t m = (item / panels) * j->mc;
 #if defined(MR_F32_WIDE)
-        if (M <= WIDE_MAX_ROWS) {
-            for (; m < m_end; m += MR_F32_WIDE) {
-                const int mr = (int)min64(MR_F32_WIDE, m_end - m);
-                DISPATCH(tile_f32_wide, MR_F32_WIDE, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0,
-                         res ? res + m * ldr + n0 : 0, ldr, y + m * ldy + n0, ldy, nc);
-            }
-            continue;
+    if (M <= WIDE_MAX_ROWS) {
+        for (; m < m_end; m += MR_F32_WIDE) {
+            const int mr = (int)min64(MR_F32_WIDE, m_end - m);
+            DISPATCH(tile_f32_wide, MR_F32_WIDE, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0,
+                     res ? res + m * ldr + n0 : 0, ldr, y + m * ldy + n0, ldy, nc);
         }
-#endif
-        for (; m < m_end; m += MR_F32) {
-            const int mr = (int)min64(MR_F32, m_end - m);
-            DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
-                     ldr, y + m * ldy + n0, ldy, nc);
-        }
+        return;
     }
+#endif
+    for (; m < m_end; m += MR_F32) {
+        const int mr = (int)min64(MR_F32, m_end - m);
+        DISPATCH(tile_f32, MR_F32, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
+                 ldr, y + m * ldy + n0, ldy, nc);
+    }
+}
+
+static void gemm_bf16_item(void *arg, int64_t item) {
+    const gemm_job *j = arg;
+    const uint16_t *x = j->x, *w = j->w, *bias = j->bias, *res = j->res;
+    uint16_t *y = j->y;
+    const int64_t ldx = j->ldx, ldr = j->ldr, ldy = j->ldy, M = j->M, N = j->N, K = j->K, panels = j->panels;
+    const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * j->mc);
+    const int64_t n0 = p * NR, nc = min64(NR, N - n0);
+    const uint16_t *wp = w + p * K * NR;
+    for (int64_t m = (item / panels) * j->mc; m < m_end; m += MR_BF16) {
+        const int mr = (int)min64(MR_BF16, m_end - m);
+        DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
+                 ldr, y + m * ldy + n0, ldy, nc);
+    }
+}
+
+static void run(pool_fn item, const void *x, int64_t ldx, const void *w, const void *bias, const void *res,
+                int64_t ldr, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int64_t mc = block_rows(M), panels = (N + NR - 1) / NR, blocks = (M + mc - 1) / mc;
+    gemm_job job = {x, w, bias, res, y, ldx, ldr, ldy, M, N, K, mc, panels};
+    pool_for(panels * blocks, item, &job, num_threads);
+}
+
+int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
+             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    run(gemm_f32_item, x, ldx, w, bias, res, ldr, y, ldy, M, N, K, num_threads);
     return 0;
 }
 
 /* K must be even (the packing pairs it). */
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *res,
-              int64_t ldr, uint16_t *y, int64_t ldy,
-              int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+              int64_t ldr, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
     if (K % 2) return -1;
-    const int64_t mc = block_rows(M), panels = (N + NR - 1) / NR, blocks = (M + mc - 1) / mc, items = panels * blocks;
-    if (num_threads > items) num_threads = items;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * mc);
-        const int64_t n0 = p * NR, nc = min64(NR, N - n0);
-        const uint16_t *wp = w + p * K * NR;
-        for (int64_t m = (item / panels) * mc; m < m_end; m += MR_BF16) {
-            const int mr = (int)min64(MR_BF16, m_end - m);
-            DISPATCH(tile_bf16, MR_BF16, mr, x + m * ldx, ldx, wp, K, bias ? bias + n0 : 0, res ? res + m * ldr + n0 : 0,
-                     ldr, y + m * ldy + n0, ldy, nc);
-        }
-    }
+    run(gemm_bf16_item, x, ldx, w, bias, res, ldr, y, ldy, M, N, K, num_threads);
     return 0;
 }
 

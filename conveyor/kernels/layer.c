@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define MAX_D 256
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
@@ -56,52 +58,75 @@ static inline __attribute__((always_inline)) void rmsnorm_row(const void *x, con
     }
 }
 
+typedef struct {
+    const void *x, *w;
+    void *y;
+    int64_t ldx, ldy, N;
+    float eps;
+    int is_bf16;
+} rmsnorm_job;
+
+static void rmsnorm_item(void *arg, int64_t m) {
+    const rmsnorm_job *j = arg;
+    const int64_t size = j->is_bf16 ? 2 : 4;
+    const char *xr = (const char *)j->x + m * j->ldx * size;
+    char *yr = (char *)j->y + m * j->ldy * size;
+    if (j->is_bf16) rmsnorm_row(xr, j->w, yr, j->N, j->eps, 1);
+    else rmsnorm_row(xr, j->w, yr, j->N, j->eps, 0);
+}
+
 void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
              int is_bf16, int64_t num_threads) {
-    const int64_t size = is_bf16 ? 2 : 4;
-    if (num_threads > M) num_threads = M;
-    if (num_threads < 1 || M * N < 16384) num_threads = 1;   /* a decode step's rows cost less than a fork */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const char *xr = (const char *)x + m * ldx * size;
-        char *yr = (char *)y + m * ldy * size;
-        if (is_bf16) rmsnorm_row(xr, w, yr, N, eps, 1);
-        else rmsnorm_row(xr, w, yr, N, eps, 0);
-    }
+    if (M * N < 16384) num_threads = 1;   /* a decode step's rows cost less than waking a thread */
+    rmsnorm_job job = {x, w, y, ldx, ldy, N, eps, is_bf16};
+    pool_for(M, rmsnorm_item, &job, num_threads);
 }
 
 /* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. cos, sin: [T, D] float32, sin signed
  * so that rotate_half(x) * sin == roll(x, D/2) * sin. Caches in the activations' dtype, slot = block * bs
  * + offset: keys [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values
  * [blocks, bs, Hkv, D]. */
+typedef struct {
+    void *qkv, *k_cache, *v_cache;
+    const float *cos, *sin;
+    const int64_t *slots;
+    int64_t ld, Hq, Hkv, D, bs;
+    int is_bf16;
+} rope_job;
+
+static void rope_item(void *arg, int64_t t) {
+    const rope_job *j = arg;
+    void *qkv = j->qkv, *k_cache = j->k_cache, *v_cache = j->v_cache;
+    const int64_t D = j->D, Hq = j->Hq, Hkv = j->Hkv, bs = j->bs, half = D / 2, heads = Hq + Hkv;
+    const int64_t slot = j->slots[t];
+    const int is_bf16 = j->is_bf16;
+    const float *c = j->cos + t * D, *s = j->sin + t * D;
+    const int64_t row = t * j->ld;
+    for (int64_t h = 0; h < heads; h++) {
+        float x[MAX_D];
+        const int64_t base = row + h * D;
+        for (int64_t d = 0; d < D; d++) x[d] = load(qkv, base + d, is_bf16);
+        for (int64_t d = 0; d < D; d++) {
+            const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+            store(qkv, base + d, rotated, is_bf16);
+            if (h >= Hq)
+                store(k_cache, (((slot / bs) * Hkv + (h - Hq)) * D + d) * bs + slot % bs, rotated, is_bf16);
+        }
+    }
+    for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t src = row + (heads + h) * D, dst = (slot * Hkv + h) * D;
+        if (is_bf16) memcpy((uint16_t *)v_cache + dst, (const uint16_t *)qkv + src, D * 2);
+        else memcpy((float *)v_cache + dst, (const float *)qkv + src, D * 4);
+    }
+}
+
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs, int is_bf16,
                int64_t num_threads) {
     if (D > MAX_D || D % 2) return -1;
-    const int64_t half = D / 2, heads = Hq + Hkv;
-    if (num_threads > T) num_threads = T;
-    if (num_threads < 1 || T * heads * D < 65536) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * D, *s = sin + t * D;
-        const int64_t row = t * ld;
-        for (int64_t h = 0; h < heads; h++) {
-            float x[MAX_D];
-            const int64_t base = row + h * D;
-            for (int64_t d = 0; d < D; d++) x[d] = load(qkv, base + d, is_bf16);
-            for (int64_t d = 0; d < D; d++) {
-                const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
-                store(qkv, base + d, rotated, is_bf16);
-                if (h >= Hq)
-                    store(k_cache, (((slots[t] / bs) * Hkv + (h - Hq)) * D + d) * bs + slots[t] % bs, rotated, is_bf16);
-            }
-        }
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t src = row + (heads + h) * D, dst = (slots[t] * Hkv + h) * D;
-            if (is_bf16) memcpy((uint16_t *)v_cache + dst, (const uint16_t *)qkv + src, D * 2);
-            else memcpy((float *)v_cache + dst, (const float *)qkv + src, D * 4);
-        }
-    }
+    if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, ld, Hq, Hkv, D, bs, is_bf16};
+    pool_for(T, rope_item, &job, num_threads);
     return 0;
 }
 
@@ -126,22 +151,31 @@ static inline float exp_approx(float x) {
 
 /* SwiGLU's middle: y[m, i] = silu(x[m, i]) * x[m, I + i] over a fused gate/up product. In bfloat16 the
  * silu is rounded before the product, as two separate bf16 ops would round. */
+typedef struct {
+    const void *x;
+    void *y;
+    int64_t ldx, ldy, I;
+    int is_bf16;
+} silu_job;
+
+static void silu_item(void *arg, int64_t m) {
+    const silu_job *j = arg;
+    const int64_t xr = m * j->ldx, yr = m * j->ldy, I = j->I;
+    if (!j->is_bf16) {
+        const float *gate = (const float *)j->x + xr, *up = gate + I;
+        float *out = (float *)j->y + yr;
+        for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+        return;
+    }
+    for (int64_t i = 0; i < I; i++) {
+        const float g = load(j->x, xr + i, 1), u = load(j->x, xr + I + i, 1);
+        store(j->y, yr + i, round_bf16(g / (1.f + exp_approx(-g))) * u, 1);
+    }
+}
+
 void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
               int64_t num_threads) {
-    if (num_threads > M) num_threads = M;
-    if (num_threads < 1 || M * I < 65536) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t xr = m * ldx, yr = m * ldy;
-        if (!is_bf16) {
-            const float *gate = (const float *)x + xr, *up = gate + I;
-            float *out = (float *)y + yr;
-            for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
-            continue;
-        }
-        for (int64_t i = 0; i < I; i++) {
-            const float g = load(x, xr + i, 1), u = load(x, xr + I + i, 1);
-            store(y, yr + i, round_bf16(g / (1.f + exp_approx(-g))) * u, 1);
-        }
-    }
+    if (M * I < 65536) num_threads = 1;
+    silu_job job = {x, y, ldx, ldy, I, is_bf16};
+    pool_for(M, silu_item, &job, num_threads);
 }

@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -279,37 +281,54 @@ int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t 
     return 0;
 }
 
-/* Work items are (block of MC rows, panel of NR columns), block-major, split statically over threads. */
+typedef struct {
+    const float *x, *bias;
+    const uint8_t *w;
+    float *y;
+    int8_t *qx;
+    float *dx, *sxd;
+    int32_t *sx;
+    int64_t ldx, ldy, M, N, K, KB, panels, fmt;
+} quant_job;
+
+static void quantize_item(void *arg, int64_t m) {
+    const quant_job *j = arg;
+    quantize_row(j->x + m * j->ldx, j->K, j->qx + m * j->K, j->dx + m * j->KB, j->sx + m * j->KB, j->sxd + m * j->KB);
+}
+
+/* Work items are (block of MC rows, panel of NR columns), block-major. */
+static void tile_item(void *arg, int64_t item) {
+    const quant_job *j = arg;
+    const int64_t panels = j->panels, KB = j->KB, K = j->K, M = j->M, ldy = j->ldy, fmt = j->fmt;
+    const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
+    const int64_t n0 = p * NR, nc = min64(NR, j->N - n0);
+    const uint8_t *wp = j->w + p * KB * block_bytes((int)fmt);
+    const float *bp = j->bias ? j->bias + n0 : 0;
+    const int8_t *qx = j->qx;
+    const float *dx = j->dx, *sxd = j->sxd;
+    const int32_t *sx = j->sx;
+    float *y = j->y;
+    for (int64_t m = (item / panels) * MC; m < m_end; m += MR) {
+        const int mr = (int)min64(MR, m_end - m);
+        const int64_t a = m * KB;
+        if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+        else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+        else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
+    }
+}
+
 int quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t fmt, const float *bias, float *y,
                int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
     if (K % QK || fmt < FMT_Q8 || fmt > FMT_Q4_1) return -1;
     if (M <= 0) return 0;
-    const int64_t KB = K / QK, panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC, items = panels * blocks;
+    const int64_t KB = K / QK, panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC;
     int8_t *qx = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * M * KB), *sxd = malloc(sizeof(float) * M * KB);
     int32_t *sx = malloc(sizeof(int32_t) * M * KB);
     if (!qx || !dx || !sxd || !sx) { free(qx); free(dx); free(sxd); free(sx); return -2; }
-    int64_t nt = num_threads < 1 ? 1 : num_threads;
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quantize_row(x + m * ldx, K, qx + m * K, dx + m * KB, sx + m * KB, sxd + m * KB);
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
-            const int64_t n0 = p * NR, nc = min64(NR, N - n0);
-            const uint8_t *wp = w + p * KB * block_bytes((int)fmt);
-            const float *bp = bias ? bias + n0 : 0;
-            for (int64_t m = (item / panels) * MC; m < m_end; m += MR) {
-                const int mr = (int)min64(MR, m_end - m);
-                const int64_t a = m * KB;
-                if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-                else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-                else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-            }
-        }
-    }
+    quant_job job = {x, bias, w, y, qx, dx, sxd, sx, ldx, ldy, M, N, K, KB, panels, fmt};
+    pool_for(M, quantize_item, &job, M * K < 16384 ? 1 : num_threads);   /* a few rows: not worth a thread */
+    pool_for(panels * blocks, tile_item, &job, num_threads);
     free(qx); free(dx); free(sxd); free(sx);
     return 0;
 }
