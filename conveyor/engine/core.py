@@ -57,8 +57,8 @@ class EngineCore:
         started = time.perf_counter()
         self.config = config
         self.clock = clock
-        if config.model.threads is not None:
-            torch.set_num_threads(config.model.threads)
+        num_threads = config.model.threads or kernels.threads.num_threads()
+        torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
@@ -67,6 +67,11 @@ class EngineCore:
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library,
                                             config.model.quantization)
+        if self.model.kernels is not None:
+            # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
+            # sampling), and its OpenMP workers would spin beside the pool's after each of them.
+            kernels.threads.set_num_threads(num_threads)
+            torch.set_num_threads(1)
         arch = self.model.arch
         self.max_model_len = config.scheduler.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -94,7 +99,7 @@ class EngineCore:
         self._num_added = 0                      # requests taken from ADD commands since then
         self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
-                             startup_s=time.perf_counter() - started, num_threads=torch.get_num_threads(),
+                             startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
                     num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,

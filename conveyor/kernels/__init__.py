@@ -11,7 +11,7 @@ from functools import cache
 
 import torch
 
-from conveyor.kernels import decoder
+from conveyor.kernels import decoder, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
 __all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "attention_tile_size",
@@ -75,7 +75,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], rows.data_ptr(), context_lens.data_ptr(), tokens.data_ptr(), tile_start.data_ptr(),
         tile_start.shape[0] - 1, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(), q.dtype == torch.bfloat16)
+        out.data_ptr(), out.stride(0), threads.num_threads(), q.dtype == torch.bfloat16)
     if status != 0:
         raise ValueError(f"paged_attention: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
                          f"head dim {head_dim}, block size {block_size}) or tiles")

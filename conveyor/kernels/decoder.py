@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from conveyor.kernels import quant
+from conveyor.kernels import quant, threads
 from conveyor.kernels.build import KernelLibrary
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -65,7 +65,7 @@ def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: to
     return StepParams(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.block_tables.data_ptr(),
                       plan.rows.data_ptr(), plan.context_lens.data_ptr(), plan.tokens.data_ptr(),
                       plan.tile_start.data_ptr(), plan.block_tables.shape[1], plan.tile_start.shape[0] - 1,
-                      block_size, torch.get_num_threads(), is_bf16)
+                      block_size, threads.num_threads(), is_bf16)
 
 
 def run_layer(lib: KernelLibrary, x: torch.Tensor, layer: LayerParams, step: StepParams, k_cache: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from conveyor.kernels import KernelLibrary
+from conveyor.kernels import KernelLibrary, threads
 
 PANEL = 32                         # output channels per packed panel (NR in gemm.c)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -61,7 +61,7 @@ def gemm(lib: KernelLibrary, x: torch.Tensor, packed: torch.Tensor, n: int,
     if m:
         fn = lib.lib.gemm_f32 if packed.dtype == torch.float32 else lib.lib.gemm_bf16
         status = fn(x2.data_ptr(), x2.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                    res_ptr, y.stride(0), y.data_ptr(), y.stride(0), m, n, k, torch.get_num_threads())
+                    res_ptr, y.stride(0), y.data_ptr(), y.stride(0), m, n, k, threads.num_threads())
         if status != 0:
             raise ValueError(f"gemm: unsupported shape (K = {k}, dtype {x.dtype})")
     return y.view(*x.shape[:-1], n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.kernels import threads
 from conveyor.kernels.build import KernelLibrary
 
 
@@ -21,5 +22,5 @@ def rmsnorm(lib: KernelLibrary, x: torch.Tensor, weight: torch.Tensor, eps: floa
     x2 = x.view(-1, n)
     y = torch.empty(x2.shape, dtype=x.dtype)
     lib.lib.rmsnorm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(), n, x2.shape[0], n, eps,
-                    x.dtype == torch.bfloat16, torch.get_num_threads())
+                    x.dtype == torch.bfloat16, threads.num_threads())
     return y.view(x.shape)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conveyor.kernels import threads
 from conveyor.kernels.build import KernelLibrary
 
 QK = 32      # weights per block along K
@@ -164,7 +165,7 @@ def gemm(built: KernelLibrary, x: torch.Tensor, w: QuantWeight, bias: torch.Tens
     y = torch.empty(rows, w.n)
     status = _lib(built).quant_gemm(
         x2.data_ptr(), x2.stride(0), w.data.data_ptr(), FORMATS[w.fmt], 0 if bias is None else bias.data_ptr(),
-        y.data_ptr(), w.n, rows, w.n, w.k, num_threads or torch.get_num_threads())
+        y.data_ptr(), w.n, rows, w.n, w.k, num_threads or threads.num_threads())
     if status != 0:
         raise ValueError(f"quant gemm failed ({status}): K = {w.k}, format {w.fmt}")
     y = y.view(*x.shape[:-1], w.n)
