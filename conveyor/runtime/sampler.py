@@ -234,7 +234,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _num_kept(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """ranked (P, C) probabilities best first, top_p (P, 1) -> (P, 1) length of the kept prefix (>= 1)."""
     mass_before = ranked.cumsum(dim=-1) - ranked                 # (P, C) mass of strictly better-ranked tokens
-    return (mass_before < top_p).sum(dim=-1, keepdim=True)
+    # A top_p that rounds to 0 in float32 (1e-46) keeps nothing by the sum; the best token always stays.
+    return (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -175,6 +175,8 @@ def test_seeded_row_independent_of_batch_property(others: list[tuple[float, int,
     SamplingParams(temperature=5.0, top_k=1, seed=3),
     SamplingParams(temperature=5.0, top_p=1e-6, seed=4),
     SamplingParams(temperature=5.0, min_p=1.0, seed=5),
+    SamplingParams(temperature=1.0, top_p=1e-46),       # 0 in float32: still keeps the best token
+    SamplingParams(temperature=1.0, top_p=2.225e-311, seed=6),
 ])
 def test_degenerate_filters_equal_greedy(sampler: Sampler, params: SamplingParams) -> None:
     logits = random_logits(64, seed=6)
