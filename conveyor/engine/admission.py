@@ -25,16 +25,25 @@ def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
 def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> None:
     """Raise InvalidRequest / ContextLengthExceeded for a request that could never run."""
     check_token_ids(prompt_token_ids, info.vocab_size)
+    bad_stops = [t for t in params.stop_token_ids if not 0 <= t < info.vocab_size]
+    if bad_stops:
+        raise InvalidRequest(f"stop token id {bad_stops[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
+                             param="stop_token_ids")
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
+    # The prompt alone leaves no room for one output token: the prompt is at fault, not max_tokens.
+    if num_prompt_tokens >= info.max_model_len:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
+            f"length is {info.max_model_len} tokens", param="prompt")
+    if -(-(num_prompt_tokens + 1) // info.block_size) > info.num_kv_blocks:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
+            f"{info.num_kv_blocks * info.block_size}", param="prompt")
     max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = info.max_model_len - num_prompt_tokens
-        if max_tokens < 1:
-            raise ContextLengthExceeded(
-                f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
-                f"length is {info.max_model_len} tokens", param="prompt")
     total = num_prompt_tokens + max_tokens
     if total > info.max_model_len:
         raise ContextLengthExceeded(

@@ -61,7 +61,7 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    # torch accepts seeds in [-2**63, 2**64); SamplingParams has no upper bound, so fold big seeds in.
+    # torch accepts seeds in [-2**63, 2**64), as SamplingParams does; the fold maps negatives the same way.
     generator.manual_seed(params.seed % 2**64)
     return generator
 

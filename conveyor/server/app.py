@@ -218,7 +218,8 @@ def _invalid_request(exc: RequestValidationError) -> InvalidRequest:
     errors = exc.errors()
     if not errors:
         return InvalidRequest("invalid request body")
-    first = errors[0]
+    # Of a union's complaints, one about the value (a lone surrogate) says more than "not a string".
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "")
         return InvalidRequest(f"the request body is not valid JSON: {reason}".rstrip(": "))

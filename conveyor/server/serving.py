@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.errors import ConveyorError, ModelNotFound
+from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.protocol import (
@@ -194,7 +194,14 @@ class OpenAIServing:
         text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
                                                   add_generation_prompt=body.add_generation_prompt)
         prompts = [await self._encode(text, add_special_tokens=False)]  # the template has the BOS
-        group = self._start("chatcmpl", prompts, params, body.priority)
+        try:
+            group = self._start("chatcmpl", prompts, params, body.priority)
+        except InvalidRequest as exc:
+            if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
+                exc.param = "messages"
+            elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+            raise
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._chat_events(group, prompts, created, body), group)

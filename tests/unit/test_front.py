@@ -49,14 +49,23 @@ def tokenizer() -> Tokenizer:
     ([1, 300], 4, InvalidRequest, "prompt"),
     ([1, True], 4, InvalidRequest, "prompt"),
     ([1] * 64, None, ContextLengthExceeded, "prompt"),
-    ([1] * 60, 5, ContextLengthExceeded, "max_tokens"),
+    ([1] * 40, 30, ContextLengthExceeded, "max_tokens"),   # 70 tokens pass the model length of 64
     ([1] * 40, 10, ContextLengthExceeded, "max_tokens"),   # 50 tokens need 4 blocks of 16; the cache has 3
+    ([1] * 64, 5, ContextLengthExceeded, "prompt"),        # the prompt alone is too long, whatever max_tokens
+    ([1] * 48, 1, ContextLengthExceeded, "prompt"),        # the prompt plus one token outgrows the cache
 ])
 def test_admission_refuses_what_could_never_run(prompt: list, max_tokens: int | None, error: type,
                                                  param: str) -> None:
     with pytest.raises(error) as caught:
         check_request(prompt, SamplingParams(max_tokens=max_tokens), INFO)
     assert caught.value.param == param
+
+
+def test_admission_refuses_stop_token_ids_outside_the_vocabulary() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        check_request([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[5, 10**12]), INFO)
+    assert caught.value.param == "stop_token_ids" and str(10**12) in caught.value.message
+    check_request([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[0, 299]), INFO)
 
 
 def test_admission_accepts_a_request_that_fits_exactly() -> None:

@@ -126,7 +126,7 @@ def _run_steps(sampler: Sampler, target: SamplingParams, others: list[SamplingPa
 @pytest.mark.parametrize("target", [
     SamplingParams(seed=42, temperature=1.5),
     SamplingParams(seed=-7, temperature=0.8, top_k=20, top_p=0.9),
-    SamplingParams(seed=2**70, min_p=0.05, presence_penalty=0.5),
+    SamplingParams(seed=2**64 - 1, min_p=0.05, presence_penalty=0.5),
 ])
 def test_same_seed_same_tokens_in_any_batch(sampler: Sampler, target: SamplingParams) -> None:
     others = [SamplingParams(seed=1), SamplingParams(temperature=1.0), greedy(), SamplingParams(seed=42),
