@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model file or folder name)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="requests allowed to wait for a batch slot; past it the answer is 429 (default: no limit)")
+                       help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
+                            "with Retry-After, before any response starts; 0 = no queue: accept only what can "
+                            "start now (default: no limit)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",

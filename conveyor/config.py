@@ -172,7 +172,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000                          # 0 = any free port
     api_key: str | None = None                # None = no key required
-    max_waiting_requests: int | None = None   # past it the answer is 429; None = unbounded
+    max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
     core_process: bool = True                 # the engine core in its own process, else on a server thread

@@ -91,7 +91,6 @@ class OpenAIServing:
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                priority: int) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
-        self.engine.admit(prompts, params)
         return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority)
 
     async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
