@@ -1,9 +1,9 @@
 """`run_server`: EngineConfig + ServerConfig -> engine core, AsyncEngine front, app, uvicorn.
 
 By default the engine core runs in a process of its own (core_process.py) and this process keeps
-HTTP, tokenization and detokenization. On SIGTERM (or Ctrl-C) the server stops accepting
-connections, lets in-flight requests finish for up to the grace period, fails whatever is still
-running with a clear 503 error (an error event when streaming), stops the core and exits 0. If the
+HTTP, tokenization and detokenization. On SIGTERM (or Ctrl-C) the server answers 503 to /health
+and to new requests, lets in-flight requests finish for up to the grace period, fails whatever is
+still running with a clear 503 error (an error event when streaming), stops the core and exits 0. If the
 core dies, every request in flight fails at once with a 503, /health turns 503, and the server
 exits 1: a supervisor restarts the whole server, which is simpler to reason about than a core
 restarted under live connections whose KV state is gone.
@@ -54,8 +54,8 @@ class ConveyorServer(uvicorn.Server):
         asyncio.get_running_loop().call_later(_DEAD_CORE_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in getattr(self, "servers", []):
-            server.close()  # stop accepting now, not after the grace period
+        # The listening socket stays open through the grace period: /health and new requests get a
+        # 503 there (load balancers and clients see why), not a refused connection.
         logger.info("shutting down: %d requests in flight, up to %.1f s to finish", self.async_engine.num_in_flight,
                     self.shutdown_grace_s)
         await self.async_engine.shutdown(self.shutdown_grace_s)
