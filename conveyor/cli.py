@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
                             "with Retry-After, before any response starts; 0 = no queue: accept only what can "
                             "start now (default: no limit)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
+                            "tokenizing (default: max model length times the longest token, which no prompt that "
+                            "fits can pass)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
@@ -151,6 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
+                          max_prompt_chars=args.max_prompt_chars,
                           core_process=args.core_process)
     return run_server(config, server)
 

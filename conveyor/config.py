@@ -175,6 +175,9 @@ class ServerConfig:
     max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
+    # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.
+    # None: max_model_len times the longest token in characters, which no prompt that fits can pass.
+    max_prompt_chars: int | None = None
     core_process: bool = True                 # the engine core in its own process, else on a server thread
 
     def __post_init__(self) -> None:
@@ -189,3 +192,4 @@ class ServerConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
         _positive("max_body_bytes", self.max_body_bytes)
+        _positive("max_prompt_chars", self.max_prompt_chars, allow_none=True)

@@ -47,6 +47,12 @@ class RequestTooLarge(ConveyorError):
     code = "request_too_large"
 
 
+class PromptTooLong(RequestTooLarge):
+    """A prompt whose text is over the server's character limit, refused before it is tokenized."""
+
+    code = "prompt_too_long"
+
+
 class QueueFull(ConveyorError):
     status = 429
     error_type = "rate_limit_error"

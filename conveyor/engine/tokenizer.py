@@ -8,6 +8,7 @@ rendered by chat_template.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -100,6 +101,15 @@ class Tokenizer:
             assert self.bos_token_id is not None  # checked in __init__
             return [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token as the vocabulary spells it: no token decodes to more.
+
+        (A byte-level token spells each of its bytes as one character; a text has no more
+        characters than bytes.)
+        """
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

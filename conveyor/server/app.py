@@ -49,7 +49,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "max_tokens over the model length (code `context_length_exceeded`)"),
         (401, "missing or wrong API key"),
         (404, "unknown model"),
-        (413, "request body too large"),
+        (413, "request body too large (code `request_too_large`), or prompt text over the server's "
+              "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
         (503, "the server is shutting down, or its engine core died"),
@@ -133,11 +134,11 @@ class RequestGuard:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end."""
     metrics = ServerMetrics(async_engine, model_name)
     async_engine.observers.append(metrics.observe)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
     created = int(time.time())
 
     @asynccontextmanager

@@ -75,7 +75,8 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
         client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
-    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes)
+    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
+                    max_prompt_chars=server.max_prompt_chars)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S))

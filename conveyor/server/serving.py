@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
+from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.protocol import (
@@ -68,10 +68,11 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.max_prompt_chars = max_prompt_chars or engine.info.max_model_len * self.tokenizer.max_token_chars
         # Token strings for logprobs; an LRU since the same tokens come back all the time.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -83,10 +84,27 @@ class OpenAIServing:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                 param="model")
 
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a prompt text over the limit before any time goes into tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise PromptTooLong(f"the prompt has {num_chars} characters; this server tokenizes at most "
+                                f"{self.max_prompt_chars} (--max-prompt-chars)", param=param)
+
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Large texts are tokenized on a worker thread, so streams and /health go on meanwhile.
         if len(text) > _THREAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
+
+    async def _render_chat(self, body: ChatCompletionRequest) -> str:
+        messages = [m.as_template_input() for m in body.messages]
+        num_chars = sum(len(m["content"] or "") for m in messages)
+        self.check_prompt_chars(num_chars, "messages")
+        render = functools.partial(self.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=body.add_generation_prompt)
+        text = await asyncio.to_thread(render) if num_chars > _THREAD_TOKENIZE_CHARS else render()
+        self.check_prompt_chars(len(text), "messages")
+        return text
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                priority: int) -> PromptGroup:
@@ -126,7 +144,9 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
-        prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        texts = body.prompts()
+        self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
+        prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in texts]
         group = self._start("cmpl", prompts, params, body.priority)
         created = int(time.time())
         if body.stream:
@@ -190,8 +210,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
-        text = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
-                                                  add_generation_prompt=body.add_generation_prompt)
+        text = await self._render_chat(body)
         prompts = [await self._encode(text, add_special_tokens=False)]  # the template has the BOS
         try:
             group = self._start("chatcmpl", prompts, params, body.priority)
