@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
                             "fits can pass)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers before it is closed")
+    serve.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a request has to send its body before it gets a 408")
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+    serve.add_argument("--max-concurrency", type=int, default=None,
+                       help="most open connections (or requests in progress); past it new requests get 503 "
+                            "(default: no cap)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
@@ -155,7 +164,9 @@ def serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
-                          max_prompt_chars=args.max_prompt_chars,
+                          max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
+                          body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                          max_concurrency=args.max_concurrency,
                           core_process=args.core_process)
     return run_server(config, server)
 

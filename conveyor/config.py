@@ -179,6 +179,13 @@ class ServerConfig:
     # None: max_model_len times the longest token in characters, which no prompt that fits can pass.
     max_prompt_chars: int | None = None
     core_process: bool = True                 # the engine core in its own process, else on a server thread
+    # Slow clients: a request's headers and its body must each arrive within their timeout, an idle
+    # keep-alive connection is closed after its own; past max_concurrency connections (or requests
+    # in progress) new requests get 503. None = no cap.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -193,3 +200,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_prompt_chars", self.max_prompt_chars, allow_none=True)
+        _positive("max_concurrency", self.max_concurrency, allow_none=True)
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -47,6 +47,14 @@ class RequestTooLarge(ConveyorError):
     code = "request_too_large"
 
 
+class RequestTimeout(ConveyorError):
+    """A request body that did not arrive within the server's body timeout."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PromptTooLong(RequestTooLarge):
     """A prompt whose text is over the server's character limit, refused before it is tokenized."""
 

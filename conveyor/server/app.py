@@ -6,6 +6,7 @@ error bodies: every ConveyorError, validation error and HTTP error is rendered b
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.errors import ConveyorError, InvalidRequest, RequestTooLarge, Unauthorized
+from conveyor.errors import ConveyorError, InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -49,6 +50,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "max_tokens over the model length (code `context_length_exceeded`)"),
         (401, "missing or wrong API key"),
         (404, "unknown model"),
+        (408, "the request body did not arrive within the server's body timeout"),
         (413, "request body too large (code `request_too_large`), or prompt text over the server's "
               "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
@@ -79,10 +81,11 @@ class RequestGuard:
     so disconnects are still seen.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -105,16 +108,22 @@ class RequestGuard:
             await self._refuse(too_large, scope, receive, send)
             return
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await self._refuse(too_large, scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):   # a slow body must not hold a connection
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before sending its body
+                    body += message.get("body", b"")
+                    if len(body) > self.max_body_bytes:
+                        await self._refuse(too_large, scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._refuse(RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s"),
+                               scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -134,7 +143,8 @@ class RequestGuard:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
+              body_timeout_s: float = 30.0) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end."""
     metrics = ServerMetrics(async_engine, model_name)
     async_engine.observers.append(metrics.observe)
@@ -151,7 +161,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
                   version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics
     app.state.engine = async_engine
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:

@@ -27,6 +27,7 @@ from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import resolve_model_path
 from conveyor.server.app import build_app
+from conveyor.server.http_protocol import header_timeout_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,12 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
-                    max_prompt_chars=server.max_prompt_chars)
+                    max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S))
+                            timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
+                            http=header_timeout_protocol(server.header_timeout_s),
+                            timeout_keep_alive=server.keep_alive_timeout_s, limit_concurrency=server.max_concurrency)
     return ConveyorServer(config, async_engine, server.shutdown_grace_s)
 
 
