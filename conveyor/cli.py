@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics too (default: open, for Prometheus scrapers)")
+    serve.add_argument("--disable-docs", dest="enable_docs", action="store_false",
+                       help="remove /openapi.json, /docs and /redoc (default: served, without the API key)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model file or folder name)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
@@ -166,7 +170,8 @@ def serve(args: argparse.Namespace) -> int:
                           max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-                          max_concurrency=args.max_concurrency,
+                          max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
+                          enable_docs=args.enable_docs,
                           core_process=args.core_process)
     return run_server(config, server)
 

@@ -186,6 +186,11 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     max_concurrency: int | None = None
+    # The API key always guards /v1/*; /health stays open for probes. /metrics is open by default,
+    # as vLLM leaves it, for scrapers; protect_metrics puts it behind the key. enable_docs False
+    # removes /openapi.json, /docs and /redoc (vLLM's --disable-fastapi-docs).
+    protect_metrics: bool = False
+    enable_docs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -201,6 +206,8 @@ class ServerConfig:
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_prompt_chars", self.max_prompt_chars, allow_none=True)
         _positive("max_concurrency", self.max_concurrency, allow_none=True)
+        if self.protect_metrics and self.api_key is None:
+            raise ValueError("protect_metrics needs an api_key to protect /metrics with")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

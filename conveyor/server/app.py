@@ -81,9 +81,11 @@ class RequestGuard:
     so disconnects are still seen.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
+                 protect_metrics: bool = False) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.protected_paths = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
@@ -92,7 +94,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+        if self.expected_auth is not None and scope["path"].startswith(self.protected_paths):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected_auth):
                 message = "missing API key" if not given else "invalid API key"
@@ -144,8 +146,12 @@ class RequestGuard:
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
-              body_timeout_s: float = 30.0) -> FastAPI:
-    """The app serves `model_name`; its lifespan starts the core client and stops it at the end."""
+              body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True) -> FastAPI:
+    """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
+
+    The API key guards /v1/* (and /metrics with `protect_metrics`); /health stays open for probes.
+    `enable_docs` False removes /openapi.json, /docs and /redoc.
+    """
     metrics = ServerMetrics(async_engine, model_name)
     async_engine.observers.append(metrics.observe)
     serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
@@ -158,10 +164,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
 
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server built around continuous batching",
-                  version="0.1.0", lifespan=lifespan)
+                  version="0.1.0", lifespan=lifespan,
+                  **({} if enable_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}))
     app.state.metrics = metrics
     app.state.engine = async_engine
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       protect_metrics=protect_metrics)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:
@@ -216,7 +224,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         return HealthResponse()
 
     @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+             responses={401: _ERRORS[401], 200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -77,7 +77,8 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
-                    max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s)
+                    max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
+                    protect_metrics=server.protect_metrics, enable_docs=server.enable_docs)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
