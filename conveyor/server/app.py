@@ -59,8 +59,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string"},
-                                     "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+# Before OpenAPI 3.2 an event stream's `schema` describes each event.
+_STREAM_DOC = {"text/event-stream": {
+    "schema": {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "description": "a JSON chunk, a JSON error body, or [DONE] last"},
+        "event": {"type": "string"}}},
+    "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
