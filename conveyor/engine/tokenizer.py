@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RELEASE_GIL_CHARS = 16 * 1024   # longer texts are tokenized with the GIL released
+
 
 def _special_token_content(value: Any) -> str | None:
     """tokenizer_config.json spells special tokens as strings or as serialized AddedToken dicts."""
@@ -96,7 +98,12 @@ class Tokenizer:
     # -- encode / decode -----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode` holds the GIL throughout (8 MB: 10 s in which no other thread runs, the
+            # server's event loop included); `encode_batch` releases it and gives the same ids.
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             assert self.bos_token_id is not None  # checked in __init__
             return [self.bos_token_id, *ids]
