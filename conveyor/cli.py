@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
                        help="seconds an idle keep-alive connection stays open")
     serve.add_argument("--max-concurrency", type=int, default=None,
-                       help="most open connections (or requests in progress); past it new requests get 503 "
-                            "(default: no cap)")
+                       help="most requests in progress at once, streams included; past it new ones get 503 "
+                            "with Retry-After (/health and /metrics are never refused; default: no cap)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",

@@ -180,8 +180,8 @@ class ServerConfig:
     max_prompt_chars: int | None = None
     core_process: bool = True                 # the engine core in its own process, else on a server thread
     # Slow clients: a request's headers and its body must each arrive within their timeout, an idle
-    # keep-alive connection is closed after its own; past max_concurrency connections (or requests
-    # in progress) new requests get 503. None = no cap.
+    # keep-alive connection is closed after its own. Past max_concurrency requests in progress
+    # (streams included; /health and /metrics never count) new ones get 503; None = no cap.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0

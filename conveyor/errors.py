@@ -67,6 +67,14 @@ class QueueFull(ConveyorError):
     code = "queue_full"
 
 
+class ServerBusy(ConveyorError):
+    """More requests in progress than the server's concurrency cap."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "server_busy"
+
+
 class ModelLoadError(ConveyorError):
     """A checkpoint that is missing, corrupt or of an unsupported architecture."""
 

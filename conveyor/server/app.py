@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.errors import ConveyorError, InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
+from conveyor.errors import ConveyorError, InvalidRequest, RequestTimeout, RequestTooLarge, ServerBusy, Unauthorized
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
+_PROBE_PATHS = ("/health", "/metrics")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -55,7 +56,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
-        (503, "the server is shutting down, or its engine core died"),
+        (503, "the server is shutting down, or its engine core died, or it has --max-concurrency requests "
+              "in progress (code `server_busy`, with `Retry-After`)"),
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -70,7 +72,7 @@ _STREAM_DOC = {"text/event-stream": {
 def error_response(exc: ConveyorError) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code))
     headers: dict[str, str] = {}
-    if exc.status == 429:
+    if exc.status == 429 or isinstance(exc, ServerBusy):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     elif exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -78,7 +80,11 @@ def error_response(exc: ConveyorError) -> JSONResponse:
 
 
 class RequestGuard:
-    """ASGI middleware: API key on /v1/*, then the body limit, before anything parses the body.
+    """ASGI middleware: the concurrency cap, the API key on /v1/*, then the body limit and body
+    timeout, before anything parses the body.
+
+    The cap counts requests in progress, streams until their last event included; /health and
+    /metrics are never refused by it, so probes and scrapers still see an overloaded server.
 
     The body is read here, up to the limit, whatever Content-Length says (it may be absent or
     wrong), and replayed to the app; after the replay the app's receive reaches the server again,
@@ -86,14 +92,30 @@ class RequestGuard:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
-                 protect_metrics: bool = False) -> None:
+                 protect_metrics: bool = False, max_concurrency: int | None = None) -> None:
         self.app = app
+        self.max_concurrency = max_concurrency
+        self.num_in_progress = 0
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
         self.protected_paths = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
+            await self._guarded(scope, receive, send)
+            return
+        if self.max_concurrency is not None and self.num_in_progress >= self.max_concurrency:
+            await self._refuse(ServerBusy(f"the server has {self.max_concurrency} requests in progress, its "
+                                          f"limit; retry later"), scope, receive, send)
+            return
+        self.num_in_progress += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.num_in_progress -= 1
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -150,7 +172,8 @@ class RequestGuard:
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
-              body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True) -> FastAPI:
+              body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
+              max_concurrency: int | None = None) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
 
     The API key guards /v1/* (and /metrics with `protect_metrics`); /health stays open for probes.
@@ -173,7 +196,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     app.state.metrics = metrics
     app.state.engine = async_engine
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                       protect_metrics=protect_metrics)
+                       protect_metrics=protect_metrics, max_concurrency=max_concurrency)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:

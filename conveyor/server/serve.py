@@ -78,12 +78,13 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
                     max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
-                    protect_metrics=server.protect_metrics, enable_docs=server.enable_docs)
+                    protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
+                    max_concurrency=server.max_concurrency)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
                             http=header_timeout_protocol(server.header_timeout_s),
-                            timeout_keep_alive=server.keep_alive_timeout_s, limit_concurrency=server.max_concurrency)
+                            timeout_keep_alive=server.keep_alive_timeout_s)
     return ConveyorServer(config, async_engine, server.shutdown_grace_s)
 
 

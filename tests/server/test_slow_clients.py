@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import RunningServer, start_server, wait_for
+from server_helpers import RunningServer, slow_steps, start_server, wait_for
 
 TIMEOUT_S = 0.5
 
@@ -91,13 +91,19 @@ def test_requests_within_the_timeouts_are_served(strict_server: RunningServer) -
 
 def test_past_max_concurrency_new_requests_get_503(tiny_checkpoint: Path) -> None:
     running = start_server(tiny_checkpoint, max_num_seqs=2, server_options={"max_concurrency": 2})
+    body = {"prompt": "hi", "max_tokens": 30, "ignore_eos": True, "stream": True}
     try:
-        held = [connect(running) for _ in range(2)]
-        wait_for(lambda: num_connections(running) >= 2, 10, "two open connections")
-        assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 503
-        for sock in held:
-            sock.close()
-        wait_for(lambda: num_connections(running) == 0, 10, "the connections to close")
-        assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
+        with slow_steps(running.engine, 0.05), httpx.Client(base_url=running.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as first, \
+                    http.stream("POST", "/v1/completions", json=body) as second:
+                assert first.status_code == second.status_code == 200
+                busy = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                  timeout=10)
+                assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy", busy.text
+                assert int(busy.headers["retry-after"]) >= 1
+                assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200   # probes pass
+        response = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                              timeout=30)
+        assert response.status_code == 200
     finally:
         running.stop()
