@@ -161,7 +161,26 @@ class RequestGuard:
             replayed = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        await self.app(scope, replay, send)
+        await self._answer_bugs(scope, replay, send)
+
+    async def _answer_bugs(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; a bug before the response started becomes one logged traceback and a 500
+        with an OpenAI body. (Left to Starlette, its handler answers and then re-raises, so the
+        server logs the same traceback a second time.)"""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise   # too late for an error body; the server logs it and closes the connection
+            logger.error("%s %s raised", scope["method"], scope["path"], exc_info=exc)
+            await error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))(scope, receive, send)
 
     @staticmethod
     async def _refuse(exc: ConveyorError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -195,6 +214,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
                   **({} if enable_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}))
     app.state.metrics = metrics
     app.state.engine = async_engine
+    app.state.serving = serving
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                        protect_metrics=protect_metrics, max_concurrency=max_concurrency)
 

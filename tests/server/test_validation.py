@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -104,3 +105,20 @@ def test_documented_ranges_are_in_the_openapi_document(tiny_server: RunningServe
     text = json.dumps(fields)
     assert '"maximum": 100.0' in text and '"exclusiveMinimum": 0.0' in text
     assert "maximum" in json.dumps(fields["seed"]) and "maximum" in json.dumps(fields["priority"])
+
+
+def test_a_bug_is_one_500_with_one_logged_traceback(tiny_server: RunningServer, monkeypatch, caplog) -> None:
+    serving = tiny_server.server.config.app.state.serving
+
+    async def broken(body, request):  # type: ignore[no-untyped-def]
+        raise TypeError("injected bug")
+
+    monkeypatch.setattr(serving, "completions", broken)
+    with caplog.at_level("ERROR"):
+        response = httpx.post(f"{tiny_server.base_url}{COMPLETIONS}", json={"prompt": "hi"}, timeout=30)
+        time.sleep(0.5)   # the server logs a re-raised error only after the response went out
+    assert response.status_code == 500, response.text
+    assert response.json()["error"] == {"message": "internal server error: TypeError", "type": "internal_error",
+                                        "param": None, "code": None}
+    tracebacks = [r for r in caplog.records if r.exc_info and "injected bug" in str(r.exc_info[1])]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
