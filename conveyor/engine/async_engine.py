@@ -92,8 +92,13 @@ class AsyncEngine:
     # ------------------------------------------------------------ requests
 
     def num_would_wait(self, num_new: int) -> int:
-        """Requests that would wait for a batch slot if `num_new` more arrived now."""
-        in_core = self.load.num_running + self.load.num_waiting + self._num_in_transit
+        """Requests that would wait for a batch slot if `num_new` more arrived now.
+
+        The core's last load still counts requests that finished or were aborted since; the
+        front's own open requests do not, so the smaller of the two is the fresher count.
+        """
+        reported = self.load.num_running + self.load.num_waiting + self._num_in_transit
+        in_core = min(reported, len(self._queues))
         return max(0, in_core + num_new - self.info.scheduler.max_num_seqs)
 
     def add(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
