@@ -9,7 +9,7 @@ from conveyor.errors import InvalidRequest
 MAX_LOGPROBS = 20
 # Sane ranges, checked here for the offline API and declared in the HTTP schema (server/protocol.py).
 MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
-MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 
@@ -54,9 +54,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", param=name)
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                                 f"got {self.repetition_penalty!r}", param="repetition_penalty")
+        if (not _is_number(self.repetition_penalty)
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                                 f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
+                                 param="repetition_penalty")
         if self.seed is not None and not (_is_int(self.seed, minimum=MIN_SEED) and self.seed <= MAX_SEED):
             raise InvalidRequest(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
         if not _is_int(self.min_tokens, minimum=0):

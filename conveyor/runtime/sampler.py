@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-5
 # top_p looks for its cut among this many best tokens first; rows whose cut lies further get a full sort.
 TOP_P_CANDIDATES = 256
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(slots=True)
@@ -262,6 +263,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs (L, V), token_ids (L,) -> the sampled token's logprob and each row's top-N, as Python values."""
+    # OpenAI reports an impossible token as -9999.0; JSON has no -inf (and NaN must not reach it either).
+    logprobs = logprobs.nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()                  # (L,)
     max_top = min(max(num_top), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(max_top, dim=-1)                                     # (L, N); N may be 0

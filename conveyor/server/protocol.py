@@ -29,6 +29,7 @@ from conveyor.sampling_params import (
     MAX_SEED,
     MAX_TEMPERATURE,
     MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
     MIN_SEED,
     SamplingParams,
 )
@@ -81,8 +82,9 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids inside the vocabulary")
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)] | None = (
-        Field(1.0, description=f"in (0, {MAX_REPETITION_PENALTY:g}]; 1 = off"))
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                               allow_inf_nan=False)] | None = (
+        Field(1.0, description=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; 1 = off"))
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True

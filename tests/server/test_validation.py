@@ -44,6 +44,7 @@ def assert_400(response: httpx.Response, param: str, code: str | None = None) ->
     (COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed"),
     (COMPLETIONS, {"prompt": "hi", "priority": 2**70}, "priority"),
     (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 5e-324}, "repetition_penalty"),   # logit / it = inf
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [1e12]}, "stop_token_ids.0"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids"),   # admission: the vocabulary
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids.1"),
@@ -79,7 +80,7 @@ def test_valid_extremes_are_served(tiny_server: RunningServer) -> None:
     """The edges of each range are fine, including a top_p that rounds to 0 in float32."""
     for extra in ({"top_p": 1e-46}, {"top_p": 2.225e-311}, {"temperature": 100, "seed": 2**64 - 1},
                   {"top_k": 2**31 - 1, "seed": -(2**63), "priority": -(2**63)}, {"stop_token_ids": [0, 299]},
-                  {"repetition_penalty": 100, "min_p": 1}):
+                  {"repetition_penalty": 100, "min_p": 1}, {"repetition_penalty": 0.01, "logprobs": 20}):
         response = httpx.post(f"{tiny_server.base_url}{COMPLETIONS}", timeout=30,
                               json={"prompt": "A", "max_tokens": 3, **extra})
         assert response.status_code == 200, (extra, response.text)
