@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, CacheConfig
 from conveyor.errors import ConveyorError
@@ -84,10 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics too (default: open, for Prometheus scrapers)")
+    serve.add_argument("--disable-docs", dest="enable_docs", action="store_false",
+                       help="remove /openapi.json, /docs and /redoc (default: served, without the API key)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model file or folder name)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="requests allowed to wait for a batch slot; past it the answer is 429 (default: no limit)")
+                       help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
+                            "with Retry-After, before any response starts; 0 = no queue: accept only what can "
+                            "start now (default: no limit)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
+                            "tokenizing (default: max model length times the longest token, which no prompt that "
+                            "fits can pass)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers before it is closed")
+    serve.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a request has to send its body before it gets a 408")
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+    serve.add_argument("--max-concurrency", type=int, default=None,
+                       help="most requests in progress at once, streams included; past it new ones get 503 "
+                            "with Retry-After (/health and /metrics are never refused; default: no cap)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
@@ -147,8 +168,25 @@ def serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
+                          max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
+                          body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                          max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
+                          enable_docs=args.enable_docs,
                           core_process=args.core_process)
     return run_server(config, server)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit once the server has stopped and joined everything it started.
+
+    The interpreter's own teardown (torch's modules and their finalizers) adds half a second on an
+    idle machine and seconds on a busy one, after shutdown has already finished; nothing is left
+    for it to do.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return generate(args)
         if args.command == "serve":
-            return serve(args)
+            _exit_now(serve(args))
     except (ConveyorError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -172,10 +172,25 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000                          # 0 = any free port
     api_key: str | None = None                # None = no key required
-    max_waiting_requests: int | None = None   # past it the answer is 429; None = unbounded
+    max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
+    # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.
+    # None: max_model_len times the longest token in characters, which no prompt that fits can pass.
+    max_prompt_chars: int | None = None
     core_process: bool = True                 # the engine core in its own process, else on a server thread
+    # Slow clients: a request's headers and its body must each arrive within their timeout, an idle
+    # keep-alive connection is closed after its own. Past max_concurrency requests in progress
+    # (streams included; /health and /metrics never count) new ones get 503; None = no cap.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    max_concurrency: int | None = None
+    # The API key always guards /v1/*; /health stays open for probes. /metrics is open by default,
+    # as vLLM leaves it, for scrapers; protect_metrics puts it behind the key. enable_docs False
+    # removes /openapi.json, /docs and /redoc (vLLM's --disable-fastapi-docs).
+    protect_metrics: bool = False
+    enable_docs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -189,3 +204,11 @@ class ServerConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
         _positive("max_body_bytes", self.max_body_bytes)
+        _positive("max_prompt_chars", self.max_prompt_chars, allow_none=True)
+        _positive("max_concurrency", self.max_concurrency, allow_none=True)
+        if self.protect_metrics and self.api_key is None:
+            raise ValueError("protect_metrics needs an api_key to protect /metrics with")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -47,10 +47,32 @@ class RequestTooLarge(ConveyorError):
     code = "request_too_large"
 
 
+class RequestTimeout(ConveyorError):
+    """A request body that did not arrive within the server's body timeout."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PromptTooLong(RequestTooLarge):
+    """A prompt whose text is over the server's character limit, refused before it is tokenized."""
+
+    code = "prompt_too_long"
+
+
 class QueueFull(ConveyorError):
     status = 429
     error_type = "rate_limit_error"
     code = "queue_full"
+
+
+class ServerBusy(ConveyorError):
+    """More requests in progress than the server's concurrency cap."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "server_busy"
 
 
 class ModelLoadError(ConveyorError):

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from conveyor.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+# Sane ranges, checked here for the offline API and declared in the HTTP schema (server/protocol.py).
+MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
+MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 
 
 @dataclass(slots=True)
@@ -35,11 +40,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and not _is_int(self.max_tokens, minimum=1):
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens!r}", param="max_tokens")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
+                                 param="temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if not _is_int(self.top_k, minimum=-1):
+        if not _is_int(self.top_k, minimum=-1) or self.top_k > MAX_TOP_K:
             raise InvalidRequest(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}",
                                  param="top_k")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -48,11 +54,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", param=name)
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+        if (not _is_number(self.repetition_penalty)
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                                 f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
                                  param="repetition_penalty")
-        if self.seed is not None and not _is_int(self.seed, minimum=-(2**63)):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if self.seed is not None and not (_is_int(self.seed, minimum=MIN_SEED) and self.seed <= MAX_SEED):
+            raise InvalidRequest(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
         if not _is_int(self.min_tokens, minimum=0):
             raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens!r}", param="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -14,10 +14,11 @@ from conveyor.sampling_params import SamplingParams
 
 def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
     """A prompt given as token ids: a list of ints inside the vocabulary. Returns a copy."""
-    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    # Builtins over the whole list (C loops): this runs on the event loop, for prompts of 100k+ tokens.
+    if not isinstance(prompt, list) or not set(map(type, prompt)) <= {int}:   # bool is not int here
         raise InvalidRequest("a prompt must be a string or a list of token ids", param="prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
+    if prompt and not (min(prompt) >= 0 and max(prompt) < vocab_size):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
     return list(prompt)
 
@@ -25,16 +26,25 @@ def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
 def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> None:
     """Raise InvalidRequest / ContextLengthExceeded for a request that could never run."""
     check_token_ids(prompt_token_ids, info.vocab_size)
+    bad_stops = [t for t in params.stop_token_ids if not 0 <= t < info.vocab_size]
+    if bad_stops:
+        raise InvalidRequest(f"stop token id {bad_stops[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
+                             param="stop_token_ids")
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
+    # The prompt alone leaves no room for one output token: the prompt is at fault, not max_tokens.
+    if num_prompt_tokens >= info.max_model_len:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
+            f"length is {info.max_model_len} tokens", param="prompt")
+    if -(-(num_prompt_tokens + 1) // info.block_size) > info.num_kv_blocks:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
+            f"{info.num_kv_blocks * info.block_size}", param="prompt")
     max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = info.max_model_len - num_prompt_tokens
-        if max_tokens < 1:
-            raise ContextLengthExceeded(
-                f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
-                f"length is {info.max_model_len} tokens", param="prompt")
     total = num_prompt_tokens + max_tokens
     if total > info.max_model_len:
         raise ContextLengthExceeded(

@@ -33,6 +33,7 @@ from conveyor.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[StepOutputs], None]
+OutputQueue = asyncio.Queue  # of RequestOutput, or the exception that ended the request
 
 
 class EngineDeadError(ConveyorError):
@@ -52,7 +53,7 @@ class AsyncEngine:
         self.death_observers: list[Callable[[str], None]] = []
         self.processor = OutputProcessor(tokenizer)
         self.load = CoreLoad(0, 0, 0, 0.0)      # as of the core's last message
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._num_in_transit = 0                # adds sent that the core has not reported yet
         self._started = False
         self.is_accepting = True
@@ -90,15 +91,41 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ requests
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """The admission check, once per HTTP request: raise now for a request that could never run
-        (400), past the waiting-queue bound (429), or while not accepting (503)."""
+    def num_would_wait(self, num_new: int) -> int:
+        """Requests that would wait for a batch slot if `num_new` more arrived now.
+
+        The core's last load still counts requests that finished or were aborted since; the
+        front's own open requests do not, so the smaller of the two is the fresher count.
+        """
+        reported = self.load.num_running + self.load.num_waiting + self._num_in_transit
+        in_core = min(reported, len(self._queues))
+        return max(0, in_core + num_new - self.info.scheduler.max_num_seqs)
+
+    def add(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
+            priority: int = 0) -> list[OutputQueue]:
+        """Admit and start a request's prompts in one synchronous block, so no other request can pass
+        the same capacity check in between: raise for a request that could never run (400), past the
+        waiting-queue bound (429), or while not accepting (503); else send them to the core and
+        return one output queue per prompt, for `outputs`."""
         for prompt_token_ids in prompts:
             check_request(prompt_token_ids, params, self.info)
         self._check_accepting()
         limit = self.max_waiting_requests
-        if limit is not None and self.num_waiting + len(prompts) > limit:
-            raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
+        if limit is not None and self.num_would_wait(len(prompts)) > limit:
+            raise QueueFull(f"the server is at capacity ({limit} requests may wait for a batch slot); retry later")
+        arrival_s = self.clock()
+        queues: list[OutputQueue] = []
+        core_requests = []
+        for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True):
+            queue: OutputQueue = asyncio.Queue()
+            self._queues[request_id] = queue
+            queues.append(queue)
+            self.processor.add(request_id, prompt_token_ids, params)
+            core_requests.append(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
+                                             arrival_s, priority))
+        self._num_in_transit += len(core_requests)
+        self.client.send(AddRequests(core_requests))
+        return queues
 
     def _check_accepting(self) -> None:
         if self.dead_reason is not None:
@@ -106,22 +133,12 @@ class AsyncEngine:
         if not self.is_accepting:
             raise EngineDeadError("the server is shutting down")
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs, for a request that passed `admit`. Leaving the iteration
-        early (a client gone) aborts it."""
-        request_id = request_id or uuid.uuid4().hex
-        self._check_accepting()   # the state may have changed since admission; nothing else has
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = outputs
-        self.processor.add(request_id, prompt_token_ids, params)
-        self._num_in_transit += 1
-        self.client.send(AddRequests([CoreRequest(
-            request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, self.clock(), priority)]))
+    async def outputs(self, request_id: str, queue: OutputQueue) -> AsyncIterator[RequestOutput]:
+        """Stream one started request's outputs. Leaving the iteration early (a client gone) aborts it."""
         finished = False
         try:
             while True:
-                item = await outputs.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -133,6 +150,14 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """`add` and `outputs` for one prompt."""
+        request_id = request_id or uuid.uuid4().hex
+        [queue] = self.add([prompt_token_ids], params, [request_id], priority)
+        async for output in self.outputs(request_id, queue):
+            yield output
 
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

@@ -41,7 +41,7 @@ from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
-from conveyor.runtime.sampler import Sampler, SamplingRow, make_generator
+from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -234,16 +234,12 @@ class EngineCore:
 
     def _run(self, plan: StepPlan) -> list[TokenDelta]:
         batch, logits = self.runner.execute(plan)
-        rows = []
-        for request_id in batch.sampling_ids:
-            live = self._live[request_id]
-            request = live.request
-            rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
-                                    live.generator, request.eos_token_ids))
-        sampled = self.sampler.sample(logits, rows)
-        logprobs = dict(zip(batch.sampling_ids, sampled.logprobs))
-        result = self.scheduler.update(plan, sampled.token_ids)
+        token_ids, row_logprobs, failed = self._sample(logits, batch.sampling_ids)
         deltas = []
+        for request_id, message in failed.items():   # before update, which then skips them
+            deltas += self._fail_request(request_id, message)
+        logprobs = dict(zip(batch.sampling_ids, row_logprobs))
+        result = self.scheduler.update(plan, token_ids)
         for update in result.updates:
             live = self._live.get(update.request_id)
             if live is None:
@@ -259,15 +255,58 @@ class EngineCore:
             deltas.append(delta)
         return deltas
 
+    def _sample(self, logits: torch.Tensor, sampling_ids: list[str]
+                ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
+        """One token per sampling row, with its logprobs, and {request_id: error} for rows that failed.
+
+        If the batched call raises, every row is sampled alone, so only a row that fails on its own
+        is lost (token 0 stands in for it). Seeded generators are rewound first: the failed batch
+        may have drawn from them, and a seed must give the same tokens either way.
+        """
+        rows = []
+        for request_id in sampling_ids:
+            live = self._live[request_id]
+            request = live.request
+            rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
+                                    live.generator, request.eos_token_ids))
+        states = [row.generator.get_state() if row.generator is not None else None for row in rows]
+        try:
+            sampled = self.sampler.sample(logits, rows)
+            return sampled.token_ids, sampled.logprobs, {}
+        except Exception:
+            logger.exception("sampling %d rows failed; sampling them one at a time", len(rows))
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        failed: dict[str, str] = {}
+        for i, (request_id, row, state) in enumerate(zip(sampling_ids, rows, states)):
+            if row.generator is not None and state is not None:
+                row.generator.set_state(state)
+            try:
+                alone = self.sampler.sample(logits[i:i + 1], [row])
+            except Exception as exc:
+                logger.exception("sampling request %s failed", request_id)
+                failed[request_id] = f"internal error while sampling this request: {exc}"
+                token_ids.append(0)
+                logprobs.append(None)
+            else:
+                token_ids += alone.token_ids
+                logprobs += alone.logprobs
+        return token_ids, logprobs, failed
+
     def _fail(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         deltas = []
         for row in plan.rows:
-            live = self._live.pop(row.request_id, None)
-            self.scheduler.finish(row.request_id, FinishReason.ERROR)
-            if live is not None:
-                deltas.append(TokenDelta(row.request_id, [], finish_reason=FinishReason.ERROR.value, error=message,
-                                         metrics=self._metrics(live.request)))
+            deltas += self._fail_request(row.request_id, message)
         return deltas
+
+    def _fail_request(self, request_id: str, message: str) -> list[TokenDelta]:
+        """End one request with an error its client sees; its blocks are free at once."""
+        live = self._live.pop(request_id, None)
+        self.scheduler.finish(request_id, FinishReason.ERROR)
+        if live is None:
+            return []
+        return [TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value, error=message,
+                           metrics=self._metrics(live.request))]
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:

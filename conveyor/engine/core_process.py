@@ -65,6 +65,10 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
         run_busy_loop(core, receive, conn.send)
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the front went away; engine core exiting")
+    # The front waits for this exit; the interpreter's teardown of torch would only delay it.
+    conn.close()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _picklable(exc: BaseException) -> BaseException:

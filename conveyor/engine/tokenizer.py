@@ -8,6 +8,7 @@ rendered by chat_template.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
+
+RELEASE_GIL_CHARS = 16 * 1024   # longer texts are tokenized with the GIL released
 
 
 def _special_token_content(value: Any) -> str | None:
@@ -95,11 +98,25 @@ class Tokenizer:
     # -- encode / decode -----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode` holds the GIL throughout (8 MB: 10 s in which no other thread runs, the
+            # server's event loop included); `encode_batch` releases it and gives the same ids.
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             assert self.bos_token_id is not None  # checked in __init__
             return [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token as the vocabulary spells it: no token decodes to more.
+
+        (A byte-level token spells each of its bytes as one character; a text has no more
+        characters than bytes.)
+        """
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-5
 # top_p looks for its cut among this many best tokens first; rows whose cut lies further get a full sort.
 TOP_P_CANDIDATES = 256
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    # torch accepts seeds in [-2**63, 2**64); SamplingParams has no upper bound, so fold big seeds in.
+    # torch accepts seeds in [-2**63, 2**64), as SamplingParams does; the fold maps negatives the same way.
     generator.manual_seed(params.seed % 2**64)
     return generator
 
@@ -234,7 +235,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _num_kept(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """ranked (P, C) probabilities best first, top_p (P, 1) -> (P, 1) length of the kept prefix (>= 1)."""
     mass_before = ranked.cumsum(dim=-1) - ranked                 # (P, C) mass of strictly better-ranked tokens
-    return (mass_before < top_p).sum(dim=-1, keepdim=True)
+    # A top_p that rounds to 0 in float32 (1e-46) keeps nothing by the sum; the best token always stays.
+    return (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -261,6 +263,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs (L, V), token_ids (L,) -> the sampled token's logprob and each row's top-N, as Python values."""
+    # OpenAI reports an impossible token as -9999.0; JSON has no -inf (and NaN must not reach it either).
+    logprobs = logprobs.nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()                  # (L,)
     max_top = min(max(num_top), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(max_top, dim=-1)                                     # (L, N); N may be 0

@@ -6,6 +6,7 @@ error bodies: every ConveyorError, validation error and HTTP error is rendered b
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.errors import ConveyorError, InvalidRequest, RequestTooLarge, Unauthorized
+from conveyor.errors import ConveyorError, InvalidRequest, RequestTimeout, RequestTooLarge, ServerBusy, Unauthorized
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
+_PROBE_PATHS = ("/health", "/metrics")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -49,21 +51,28 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "max_tokens over the model length (code `context_length_exceeded`)"),
         (401, "missing or wrong API key"),
         (404, "unknown model"),
-        (413, "request body too large"),
+        (408, "the request body did not arrive within the server's body timeout"),
+        (413, "request body too large (code `request_too_large`), or prompt text over the server's "
+              "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
-        (503, "the server is shutting down, or its engine core died"),
+        (503, "the server is shutting down, or its engine core died, or it has --max-concurrency requests "
+              "in progress (code `server_busy`, with `Retry-After`)"),
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string"},
-                                     "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+# Before OpenAPI 3.2 an event stream's `schema` describes each event.
+_STREAM_DOC = {"text/event-stream": {
+    "schema": {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "description": "a JSON chunk, a JSON error body, or [DONE] last"},
+        "event": {"type": "string"}}},
+    "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code))
     headers: dict[str, str] = {}
-    if exc.status == 429:
+    if exc.status == 429 or isinstance(exc, ServerBusy):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     elif exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -71,24 +80,47 @@ def error_response(exc: ConveyorError) -> JSONResponse:
 
 
 class RequestGuard:
-    """ASGI middleware: API key on /v1/*, then the body limit, before anything parses the body.
+    """ASGI middleware: the concurrency cap, the API key on /v1/*, then the body limit and body
+    timeout, before anything parses the body.
+
+    The cap counts requests in progress, streams until their last event included; /health and
+    /metrics are never refused by it, so probes and scrapers still see an overloaded server.
 
     The body is read here, up to the limit, whatever Content-Length says (it may be absent or
     wrong), and replayed to the app; after the replay the app's receive reaches the server again,
     so disconnects are still seen.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
+                 protect_metrics: bool = False, max_concurrency: int | None = None) -> None:
         self.app = app
+        self.max_concurrency = max_concurrency
+        self.num_in_progress = 0
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.protected_paths = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
+            await self._guarded(scope, receive, send)
+            return
+        if self.max_concurrency is not None and self.num_in_progress >= self.max_concurrency:
+            await self._refuse(ServerBusy(f"the server has {self.max_concurrency} requests in progress, its "
+                                          f"limit; retry later"), scope, receive, send)
+            return
+        self.num_in_progress += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.num_in_progress -= 1
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+        if self.expected_auth is not None and scope["path"].startswith(self.protected_paths):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected_auth):
                 message = "missing API key" if not given else "invalid API key"
@@ -104,16 +136,22 @@ class RequestGuard:
             await self._refuse(too_large, scope, receive, send)
             return
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await self._refuse(too_large, scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):   # a slow body must not hold a connection
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before sending its body
+                    body += message.get("body", b"")
+                    if len(body) > self.max_body_bytes:
+                        await self._refuse(too_large, scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._refuse(RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s"),
+                               scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -123,7 +161,26 @@ class RequestGuard:
             replayed = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        await self.app(scope, replay, send)
+        await self._answer_bugs(scope, replay, send)
+
+    async def _answer_bugs(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; a bug before the response started becomes one logged traceback and a 500
+        with an OpenAI body. (Left to Starlette, its handler answers and then re-raises, so the
+        server logs the same traceback a second time.)"""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise   # too late for an error body; the server logs it and closes the connection
+            logger.error("%s %s raised", scope["method"], scope["path"], exc_info=exc)
+            await error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))(scope, receive, send)
 
     @staticmethod
     async def _refuse(exc: ConveyorError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -133,11 +190,17 @@ class RequestGuard:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The app serves `model_name`; its lifespan starts the core client and stops it at the end."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
+              body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
+              max_concurrency: int | None = None) -> FastAPI:
+    """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
+
+    The API key guards /v1/* (and /metrics with `protect_metrics`); /health stays open for probes.
+    `enable_docs` False removes /openapi.json, /docs and /redoc.
+    """
     metrics = ServerMetrics(async_engine, model_name)
     async_engine.observers.append(metrics.observe)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
     created = int(time.time())
 
     @asynccontextmanager
@@ -147,10 +210,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
 
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server built around continuous batching",
-                  version="0.1.0", lifespan=lifespan)
+                  version="0.1.0", lifespan=lifespan,
+                  **({} if enable_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}))
     app.state.metrics = metrics
     app.state.engine = async_engine
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.serving = serving
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       protect_metrics=protect_metrics, max_concurrency=max_concurrency)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:
@@ -205,7 +271,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         return HealthResponse()
 
     @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+             responses={401: _ERRORS[401], 200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -218,7 +284,8 @@ def _invalid_request(exc: RequestValidationError) -> InvalidRequest:
     errors = exc.errors()
     if not errors:
         return InvalidRequest("invalid request body")
-    first = errors[0]
+    # Of a union's complaints, one about the value (a lone surrogate) says more than "not a string".
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "")
         return InvalidRequest(f"the request body is not valid JSON: {reason}".rstrip(": "))

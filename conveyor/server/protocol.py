@@ -1,17 +1,38 @@
 """Pydantic schemas of the OpenAI-compatible API: requests, responses, stream chunks and the error body.
 
-Requests check types only; value ranges are checked once, by `SamplingParams`, which names the
-field in its `InvalidRequest`. Unknown request fields are ignored, as OpenAI and vLLM do.
+Requests are validated strictly (a bool or a float is not an integer, "1" is not a number, text
+must be valid Unicode) and every sampling field declares its range here, so the OpenAPI document
+states it and a bad value is a 400 naming the field. `SamplingParams` checks the same ranges for
+the offline API, plus those that span fields (min_tokens <= max_tokens); checks that need the
+model (token ids inside the vocabulary, the context length) are admission's. Unknown request
+fields are ignored, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 from conveyor.errors import InvalidRequest
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_SEED,
+    SamplingParams,
+)
 
 FinishReason = Literal["stop", "length"]
 
@@ -19,37 +40,61 @@ FinishReason = Literal["stop", "length"]
 # ---------------------------------------------------------------------------------------------
 # Requests
 
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can carry a lone surrogate (\\ud800) that no tokenizer can encode; refuse it here."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
+
 
 class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints, named as OpenAI and vLLM name them."""
+    """Fields shared by both endpoints, named as OpenAI and vLLM name them, with their ranges."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
-    model: str | None = Field(None, description="the served model name; may be omitted")
-    max_tokens: int | None = None
-    temperature: float | None = Field(1.0, description="0 = greedy")
-    top_p: float | None = 1.0
-    top_k: int | None = Field(0, description="0 or -1 = off")
-    min_p: float | None = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    model: Text | None = Field(None, description="the served model name; may be omitted")
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = Field(
+        1.0, description=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(1.0, description="in (0, 1]")
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = Field(
+        0, description="0 or -1 = off, as is any value at or past the vocabulary size")
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(0.0, description="in [0, 1]")
+    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = Field(None, description="a 64-bit integer")
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids inside the vocabulary")
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                               allow_inf_nan=False)] | None = (
+        Field(1.0, description=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; 1 = off"))
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = Field(0, description="lower runs first; FCFS among equals")
+    priority: Annotated[int, Field(ge=MIN_INT64, le=MAX_INT64)] = Field(
+        0, description="lower runs first; FCFS among equals; a 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("n")
     @classmethod
@@ -88,16 +133,17 @@ def _default(value: float | int | None, default: float | int) -> float | int:
     return default if value is None else value
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
-    max_tokens: int | None = Field(16, description="default 16, as OpenAI")
-    logprobs: int | None = Field(None, description="return the sampled token's logprob and the top N (0..20)")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(16, description="default 16, as OpenAI")
+    logprobs: NumLogprobs | None = Field(None, description="return the sampled token's logprob and the top N")
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch form: one entry per choice."""
@@ -121,16 +167,18 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextContentPart(BaseModel):
+    model_config = _REQUEST_CONFIG
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def as_template_input(self) -> dict[str, str | None]:
         """Text parts are joined with newlines, as vLLM does, since templates expect a string."""
@@ -145,10 +193,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, description="default: up to the model length")
-    max_completion_tokens: int | None = Field(None, description="takes precedence over max_tokens")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: up to the model length")
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="takes precedence over max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
     def sampling_params(self) -> SamplingParams:

@@ -1,9 +1,9 @@
 """`run_server`: EngineConfig + ServerConfig -> engine core, AsyncEngine front, app, uvicorn.
 
 By default the engine core runs in a process of its own (core_process.py) and this process keeps
-HTTP, tokenization and detokenization. On SIGTERM (or Ctrl-C) the server stops accepting
-connections, lets in-flight requests finish for up to the grace period, fails whatever is still
-running with a clear 503 error (an error event when streaming), stops the core and exits 0. If the
+HTTP, tokenization and detokenization. On SIGTERM (or Ctrl-C) the server answers 503 to /health
+and to new requests, lets in-flight requests finish for up to the grace period, fails whatever is
+still running with a clear 503 error (an error event when streaming), stops the core and exits 0. If the
 core dies, every request in flight fails at once with a 503, /health turns 503, and the server
 exits 1: a supervisor restarts the whole server, which is simpler to reason about than a core
 restarted under live connections whose KV state is gone.
@@ -27,6 +27,7 @@ from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import resolve_model_path
 from conveyor.server.app import build_app
+from conveyor.server.http_protocol import header_timeout_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class ConveyorServer(uvicorn.Server):
         asyncio.get_running_loop().call_later(_DEAD_CORE_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in getattr(self, "servers", []):
-            server.close()  # stop accepting now, not after the grace period
+        # The listening socket stays open through the grace period: /health and new requests get a
+        # 503 there (load balancers and clients see why), not a refused connection.
         logger.info("shutting down: %d requests in flight, up to %.1f s to finish", self.async_engine.num_in_flight,
                     self.shutdown_grace_s)
         await self.async_engine.shutdown(self.shutdown_grace_s)
@@ -75,10 +76,15 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
         client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
-    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes)
+    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
+                    max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
+                    protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
+                    max_concurrency=server.max_concurrency)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S))
+                            timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
+                            http=header_timeout_protocol(server.header_timeout_s),
+                            timeout_keep_alive=server.keep_alive_timeout_s)
     return ConveyorServer(config, async_engine, server.shutdown_grace_s)
 
 

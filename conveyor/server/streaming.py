@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.async_engine import AsyncEngine, OutputQueue
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams
@@ -36,25 +36,27 @@ class ClientDisconnected(Exception):
 
 
 class PromptGroup:
-    """The engine requests of one HTTP request: prompt i has request id `{group_id}-{i}`."""
+    """The engine requests of one HTTP request: prompt i has request id `{group_id}-{i}`.
+
+    Creating the group admits and starts every prompt at once (`AsyncEngine.add`), so a refusal
+    (400, 429, 503) is raised here, before any response starts.
+    """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
                  params: SamplingParams, priority: int = 0) -> None:
         self.group_id = group_id
         self.num_prompts = len(prompt_token_ids)
+        self._engine = engine
+        self._request_ids = [f"{group_id}-{index}" for index in range(self.num_prompts)]
+        queues = engine.add(prompt_token_ids, params, self._request_ids, priority)
         self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
-        self._tasks = [
-            asyncio.create_task(self._pump(engine, index, token_ids, params, priority),
-                                name=f"{group_id}-{index}")
-            for index, token_ids in enumerate(prompt_token_ids)
-        ]
+        self._tasks = [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
+                       for index, queue in enumerate(queues)]
 
-    async def _pump(self, engine: AsyncEngine, index: int, token_ids: list[int], params: SamplingParams,
-                    priority: int) -> None:
-        request_id = f"{self.group_id}-{index}"
+    async def _pump(self, index: int, queue: OutputQueue) -> None:
+        request_id = self._request_ids[index]
         try:
-            async with contextlib.aclosing(engine.generate(token_ids, params, request_id=request_id,
-                                                           priority=priority)) as outputs:
+            async with contextlib.aclosing(self._engine.outputs(request_id, queue)) as outputs:
                 async for output in outputs:
                     self._outputs.put_nowait((index, output))
         except ConveyorError as exc:
@@ -89,6 +91,8 @@ class PromptGroup:
                         len(unfinished), self.num_prompts, self.group_id)
         for task in unfinished:
             task.cancel()
+            # A task cancelled before it first ran never reaches its generator's abort.
+            self._engine.abort(task.get_name())
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -49,12 +49,14 @@ class RunningServer:
 
 def start_server(model: Path | None, *, api_key: str | None = None, max_waiting_requests: int | None = None,
                  shutdown_grace_s: float = 2.0, max_body_bytes: int = 1024 * 1024,
-                 **engine_options: Any) -> RunningServer:
+                 server_options: dict[str, Any] | None = None, **engine_options: Any) -> RunningServer:
+    """`server_options`: further ServerConfig fields."""
     options = {**SMALL_ENGINE, **engine_options}
     engine = LLMEngine(EngineConfig.from_options(model=str(model) if model is not None else None, **options))
     server = build_server(engine, server=ServerConfig(
         host="127.0.0.1", port=0, api_key=api_key, max_waiting_requests=max_waiting_requests,
-        shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes, core_process=False))
+        shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes, core_process=False,
+        **(server_options or {})))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import child_pids, is_alive, metrics, slow_steps, sse_events, start_server, wait_for
+from server_helpers import (
+    child_pids,
+    is_alive,
+    launch_server_process,
+    metrics,
+    slow_steps,
+    sse_events,
+    start_server,
+    wait_for,
+)
 
 
 def free_port() -> int:
@@ -142,3 +151,44 @@ def test_grace_period_over_fails_requests_with_a_clear_error(tiny_checkpoint: Pa
     assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
     status, body = results["whole"]  # type: ignore[misc]
     assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+def test_during_the_grace_period_health_and_new_requests_get_503(tiny_checkpoint: Path) -> None:
+    running = start_server(tiny_checkpoint, max_num_seqs=2, shutdown_grace_s=30)
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=60, json={
+                "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}) as response:
+            results["stream"] = sse_events(list(response.iter_lines()))
+
+    with slow_steps(running.engine, 0.1):
+        thread = threading.Thread(target=stream)
+        thread.start()
+        wait_for(lambda: metrics(running.base_url)["conveyor:num_requests_running"] == 1, 10, "the stream to run")
+        running.server.should_exit = True                       # what SIGTERM does
+        wait_for(lambda: httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503, 10,
+                 "/health to turn 503")
+        refused = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert thread.is_alive(), "the in-flight stream is still running in the grace period"
+        thread.join(60)
+    running.stop()
+    assert outcome_of_stream(results["stream"]) == "finished"     # in-flight work still finished
+
+
+def test_an_idle_server_exits_promptly_on_sigterm(tiny_checkpoint: Path) -> None:
+    process, base = launch_server_process(tiny_checkpoint)
+    try:
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        exit_code = process.wait(timeout=30)
+        exited_after_s = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert exit_code == 0
+    assert exited_after_s < 3, f"an idle server took {exited_after_s:.1f} s to exit"   # about 0.3 s when idle

@@ -9,7 +9,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from conveyor.config import SchedulerConfig
 from conveyor.engine.admission import check_request
+from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
     AbortRequests,
@@ -49,8 +51,10 @@ def tokenizer() -> Tokenizer:
     ([1, 300], 4, InvalidRequest, "prompt"),
     ([1, True], 4, InvalidRequest, "prompt"),
     ([1] * 64, None, ContextLengthExceeded, "prompt"),
-    ([1] * 60, 5, ContextLengthExceeded, "max_tokens"),
+    ([1] * 40, 30, ContextLengthExceeded, "max_tokens"),   # 70 tokens pass the model length of 64
     ([1] * 40, 10, ContextLengthExceeded, "max_tokens"),   # 50 tokens need 4 blocks of 16; the cache has 3
+    ([1] * 64, 5, ContextLengthExceeded, "prompt"),        # the prompt alone is too long, whatever max_tokens
+    ([1] * 48, 1, ContextLengthExceeded, "prompt"),        # the prompt plus one token outgrows the cache
 ])
 def test_admission_refuses_what_could_never_run(prompt: list, max_tokens: int | None, error: type,
                                                  param: str) -> None:
@@ -59,9 +63,44 @@ def test_admission_refuses_what_could_never_run(prompt: list, max_tokens: int | 
     assert caught.value.param == param
 
 
+def test_admission_refuses_stop_token_ids_outside_the_vocabulary() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        check_request([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[5, 10**12]), INFO)
+    assert caught.value.param == "stop_token_ids" and str(10**12) in caught.value.message
+    check_request([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[0, 299]), INFO)
+
+
 def test_admission_accepts_a_request_that_fits_exactly() -> None:
     check_request([1] * 40, SamplingParams(max_tokens=8), INFO)
     check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4))
+
+
+class RecordingClient:
+    """A core client that only records what the front sends."""
+
+    def __init__(self, info: CoreInfo) -> None:
+        self.info = info
+        self.sent: list[CoreCommand] = []
+
+    def send(self, command: CoreCommand) -> None:
+        self.sent.append(command)
+
+
+@pytest.mark.parametrize("max_waiting,num_accepted", [(1, 3), (0, 2)])
+def test_capacity_check_and_start_are_one_step(tokenizer: Tokenizer, max_waiting: int, num_accepted: int) -> None:
+    """Requests added back to back, before the core reports anything, cannot all pass the check:
+    two batch slots plus `max_waiting` may be taken, the next is a 429 (0 = only what can start now)."""
+    info = dataclasses.replace(INFO, scheduler=SchedulerConfig(max_num_seqs=2))
+    client = RecordingClient(info)
+    engine = AsyncEngine(client, tokenizer, max_waiting_requests=max_waiting)  # type: ignore[arg-type]
+    for i in range(num_accepted):
+        engine.add([[1, 2]], SamplingParams(max_tokens=2), [f"r{i}"])
+    with pytest.raises(QueueFull):
+        engine.add([[1, 2]], SamplingParams(max_tokens=2), ["late"])
+    with pytest.raises(QueueFull):   # a batch prompt is admitted whole or not at all
+        AsyncEngine(client, tokenizer, max_waiting_requests=max_waiting).add(  # type: ignore[arg-type]
+            [[1]] * (num_accepted + 1), SamplingParams(max_tokens=2), [f"b{i}" for i in range(num_accepted + 1)])
+    assert [len(c.requests) for c in client.sent] == [1] * num_accepted
 
 
 # ------------------------------------------------------------------ output processor

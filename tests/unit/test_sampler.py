@@ -126,7 +126,7 @@ def _run_steps(sampler: Sampler, target: SamplingParams, others: list[SamplingPa
 @pytest.mark.parametrize("target", [
     SamplingParams(seed=42, temperature=1.5),
     SamplingParams(seed=-7, temperature=0.8, top_k=20, top_p=0.9),
-    SamplingParams(seed=2**70, min_p=0.05, presence_penalty=0.5),
+    SamplingParams(seed=2**64 - 1, min_p=0.05, presence_penalty=0.5),
 ])
 def test_same_seed_same_tokens_in_any_batch(sampler: Sampler, target: SamplingParams) -> None:
     others = [SamplingParams(seed=1), SamplingParams(temperature=1.0), greedy(), SamplingParams(seed=42),
@@ -175,6 +175,8 @@ def test_seeded_row_independent_of_batch_property(others: list[tuple[float, int,
     SamplingParams(temperature=5.0, top_k=1, seed=3),
     SamplingParams(temperature=5.0, top_p=1e-6, seed=4),
     SamplingParams(temperature=5.0, min_p=1.0, seed=5),
+    SamplingParams(temperature=1.0, top_p=1e-46),       # 0 in float32: still keeps the best token
+    SamplingParams(temperature=1.0, top_p=2.225e-311, seed=6),
 ])
 def test_degenerate_filters_equal_greedy(sampler: Sampler, params: SamplingParams) -> None:
     logits = random_logits(64, seed=6)
