@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server, llama-quantize and llama-batched-bench (CPU only) outside the
 # source tree, from the llama.cpp checkout vendored in the llama-cpp-python==0.3.36 sdist, and make
-# an F32 GGUF from the bundled SmolLM2 Q4_1 file so every system computes with identical weights.
+# an F32 GGUF from the bundled SmolLM2 Q4_1 file so every system computes with identical weights, and a
+# Q8_0 GGUF of those weights.
 #
 #   scripts/build_llama_cpp.sh [BUILD_DIR]      # default: $HOME/.cache/conveyor-peers
 #
@@ -74,7 +75,16 @@ if [[ ! -s "$F32" ]]; then
     mv "$F32.tmp" "$F32"
 fi
 
+# 5. A Q8_0 GGUF of the same weights, the peer of `--quantization int8` and of conveyor on Q8_0.
+Q8_0="$BUILD_DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
+if [[ ! -s "$Q8_0" ]]; then
+    log "quantizing $F32 -> $Q8_0"
+    "$BIN/llama-quantize" "$F32" "$Q8_0.tmp" Q8_0
+    mv "$Q8_0.tmp" "$Q8_0"
+fi
+
 COMMIT="$(cat "$SRC/COMMIT" 2>/dev/null || echo unknown)"
 log "done: $BIN/llama-server (llama.cpp $COMMIT)"
 log "      Q4_1: $Q4_1"
 log "      F32:  $F32"
+log "      Q8_0: $Q8_0"
