@@ -15,10 +15,10 @@ from bench.workloads import OfflineRequest
 
 
 def make_llm(model: str | None, threads: int, max_num_seqs: int, max_num_batched_tokens: int,
-             kv_cache_memory: str, dtype: str = "float32"):  # -> conveyor.LLM
+             kv_cache_memory: str, dtype: str = "float32", quantization: str = "none"):  # -> conveyor.LLM
     from conveyor import LLM
 
-    return LLM(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
+    return LLM(model, dtype=dtype, quantization=quantization, threads=threads, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory)
 
 

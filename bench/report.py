@@ -100,9 +100,12 @@ def best(results: dict[str, dict], prefix: str) -> tuple[str, dict] | None:
     return max(runs, key=lambda kv: kv[1]["output_tokens_per_s"]) if runs else None
 
 
-def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: dict | None,
+def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: dict | None, peer_family: str,
           poisson_key: str | None) -> list[dict]:
-    """Where conveyor stands on each target of the issue; a target whose peer did not run is 'not measured'."""
+    """Where conveyor stands on each target of the issue; a target whose peer did not run is 'not measured'.
+
+    peer_family: the llama-server family on the same weights (llama-server-f32, or -q8_0 for int8)."""
+    peer_name = peer_family.removeprefix("llama-server-").upper()
     base = results.get(base_key, {})
     ours = base.get("output_tokens_per_s")
     out = []
@@ -116,21 +119,21 @@ def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: d
         else:
             out.append({"goal": name, "target": f">= {target}x", "value": "not measured", "met": None})
 
-    ratio_goal("offline output tok/s vs best llama-server F32 -np", "llama-server-f32/", 1.5)
+    ratio_goal(f"offline output tok/s vs best llama-server {peer_name} -np", f"{peer_family}/", 1.5)
     if ours and floor:
         pct = 100 * floor["total_s"] / base["elapsed_s"]
         out.append({"goal": "share of the compute floor (workload a)", "target": ">= 75%",
                     "value": f"{pct:.0f}% (floor {floor['total_s']:.1f} s, measured {base['elapsed_s']:.1f} s)",
                     "met": pct >= 75})
-    llama_p1 = results.get("llama-server-f32/p1")
+    llama_p1 = results.get(f"{peer_family}/p1")
     if single and llama_p1 and llama_p1.get("tpot_ms", {}).get("mean"):
         theirs = 1000 / llama_p1["tpot_ms"]["mean"]
-        out.append({"goal": "single-request decode vs llama-server --parallel 1 F32", "target": ">= 1.25x",
+        out.append({"goal": f"single-request decode vs llama-server --parallel 1 {peer_name}", "target": ">= 1.25x",
                     "value": f"{single['decode_tokens_per_s']:.1f} vs {theirs:.1f} tok/s "
                              f"({single['decode_tokens_per_s'] / theirs:.2f}x)",
                     "met": single["decode_tokens_per_s"] >= 1.25 * theirs})
     else:
-        out.append({"goal": "single-request decode vs llama-server --parallel 1 F32", "target": ">= 1.25x",
+        out.append({"goal": f"single-request decode vs llama-server --parallel 1 {peer_name}", "target": ">= 1.25x",
                     "value": "not measured", "met": None})
     servers = [(k, v) for k, v in results.items() if k.startswith("conveyor-server/c") and v.get("output_tokens_per_s")]
     if ours and servers:
@@ -138,12 +141,12 @@ def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: d
         value = fig["output_tokens_per_s"] / ours
         out.append({"goal": "conveyor serve vs offline LLM.generate, same requests", "target": ">= 0.95x",
                     "value": f"{value:.2f}x ({key})", "met": value >= 0.95})
-    peer = best(results, "llama-server-f32/")
+    peer = best(results, f"{peer_family}/")
     for c in (32, 64):
         fig = results.get(f"conveyor-server/c{c}", {})
         if peer and fig.get("output_tokens_per_s"):
             value = fig["output_tokens_per_s"] / peer[1]["output_tokens_per_s"]
-            out.append({"goal": f"conveyor serve c{c} vs best llama-server F32 -np", "target": ">= 1.3x",
+            out.append({"goal": f"conveyor serve c{c} vs best llama-server {peer_name} -np", "target": ">= 1.3x",
                         "value": f"{value:.2f}x ({peer[0]})", "met": value >= 1.3})
     poisson = results.get(poisson_key) if poisson_key else None
     if poisson and not poisson.get("skipped"):

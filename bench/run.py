@@ -23,10 +23,11 @@ from bench.client import run_serving
 from bench.metrics import samples, summarize
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
 
-FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q4_1", "hf-sequential", "hf-static",
-            "hf-generate-batch")
+FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q8_0", "llama-server-q4_1",
+            "hf-sequential", "hf-static", "hf-generate-batch")
+LLAMA_FAMILIES = ("llama-server-f32", "llama-server-q8_0", "llama-server-q4_1")
 ALIASES = {"all": FAMILIES, "hf": ("hf-sequential", "hf-static", "hf-generate-batch"),
-           "llama-server": ("llama-server-f32", "llama-server-q4_1")}
+           "llama-server": LLAMA_FAMILIES}
 
 
 def int_list(text: str) -> list[int]:
@@ -53,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--conveyor-dtype", default="float32",
                    help="conveyor's --dtype (default float32: the same weight values as llama.cpp's F32 file)")
+    p.add_argument("--conveyor-quantization", default="none", choices=("none", "int8", "gguf"),
+                   help="conveyor's --quantization (int8: compare with llama-server-q8_0)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
     p.add_argument("--poisson-rate", default="auto",
@@ -138,7 +141,7 @@ class Runner:
         a = self.args
         max_num_seqs = self.max_num_seqs
         llm = conveyor_offline.make_llm(a.model, a.threads, max_num_seqs, a.max_num_batched_tokens, a.kv_cache_memory,
-                                        a.conveyor_dtype)
+                                        a.conveyor_dtype, a.conveyor_quantization)
         bar, tick = self.progress("conveyor")
         with bar:
             fig = conveyor_offline.run(llm, self.requests, self.warmup, on_done=tick)
@@ -157,7 +160,8 @@ class Runner:
         port = servers.free_port()
         cmd = servers.conveyor_command(port, model=a.model, threads=a.threads, max_num_seqs=concurrency,
                                        max_num_batched_tokens=a.max_num_batched_tokens,
-                                       kv_cache_memory=a.kv_cache_memory, dtype=a.conveyor_dtype)
+                                       kv_cache_memory=a.kv_cache_memory, dtype=a.conveyor_dtype,
+                                       quantization=a.conveyor_quantization)
         key = f"conveyor-server/{'poisson' if rate else f'c{concurrency}'}"
         with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
             fig = self.serve(key, server.base_url, self.requests, concurrency, rate)
@@ -173,15 +177,16 @@ class Runner:
             hint = servers.BUILD_HINT if self.args.peers_dir == servers.DEFAULT_PEERS_DIR else \
                 f"{servers.BUILD_HINT} {self.args.peers_dir}"
             reason = f"llama-server not found under {self.args.peers_dir}: {hint}"
-            return None, {"llama-server-f32": reason, "llama-server-q4_1": reason}
+            return None, dict.fromkeys(LLAMA_FAMILIES, reason)
         if self.args.model is not None:
-            reason = "llama-server runs only on the bundled model (F32 and Q4_1 GGUFs); drop --model"
-            return llama, {"llama-server-f32": reason, "llama-server-q4_1": reason}
+            reason = "llama-server runs only on the bundled model (F32, Q8_0 and Q4_1 GGUFs); drop --model"
+            return llama, dict.fromkeys(LLAMA_FAMILIES, reason)
         from conveyor.model.loader import default_model_path
 
-        f32: Path | str = llama.f32_gguf if llama.f32_gguf.is_file() else \
-            f"{llama.f32_gguf} not found: {servers.BUILD_HINT}"
-        return llama, {"llama-server-f32": f32, "llama-server-q4_1": default_model_path()}
+        made = {"llama-server-f32": llama.f32_gguf, "llama-server-q8_0": llama.q8_0_gguf}
+        ggufs: dict[str, Path | str] = {family: path if path.is_file() else f"{path} not found: {servers.BUILD_HINT}"
+                                        for family, path in made.items()}
+        return llama, {**ggufs, "llama-server-q4_1": default_model_path()}
 
     def llama_server(self, llama: servers.LlamaCpp, family: str, gguf: Path, parallel: int,
                      rate: float | None = None) -> dict:
@@ -225,6 +230,11 @@ class Runner:
         gc.collect()
 
 
+def peer_family(args: argparse.Namespace) -> str:
+    """The llama-server family whose weights match conveyor's in this run."""
+    return "llama-server-q8_0" if args.conveyor_quantization == "int8" else "llama-server-f32"
+
+
 def selected_families(text: str) -> list[str]:
     chosen: list[str] = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
@@ -250,7 +260,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_lengths": [len(r.prompt_token_ids) for r in runner.requests],
         "prompt_tokens": sum(len(r.prompt_token_ids) for r in runner.requests),
         "threads": args.threads, "llama_parallel": runner.concurrency, "conveyor_seqs": runner.conveyor_seqs,
-        "conveyor_dtype": args.conveyor_dtype}
+        "conveyor_dtype": args.conveyor_dtype, "conveyor_quantization": args.conveyor_quantization}
     load = os.getloadavg()[0]
     if load > document["machine"]["usable_cpus"]:
         tqdm.write(f"warning: load average {load:.1f} on {document['machine']['usable_cpus']} CPUs before the run; "
@@ -330,7 +340,11 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
         f"conveyor-server/c{max(runner.conveyor_seqs)}"
     report.add_ratios(results, base_key)
     floor = None
-    if "limits" in document:
+    # The floor is float32 weights' (their bytes, torch's float32 matmul rate): it bounds nothing else.
+    if "limits" in document and (args.conveyor_dtype, args.conveyor_quantization) != ("float32", "none"):
+        document["limits"]["note"] = "floor of float32 weights; not compared with conveyor's " + \
+            (args.conveyor_quantization if args.conveyor_quantization != "none" else args.conveyor_dtype)
+    elif "limits" in document:
         lim = document["limits"]
         max_seqs = runner.max_num_seqs
         floor = limits.workload_floor(document["workload"]["prompt_lengths"], args.output_tokens, max_seqs,
@@ -344,7 +358,7 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
                     single_request_decode={"conveyor": single or None,
                                            "llama-server-f32/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
                                            if llama_p1.get("tpot_ms", {}).get("mean") else None},
-                    goals=report.goals(results, base_key, floor, runner.single,
+                    goals=report.goals(results, base_key, floor, runner.single, peer_family(args),
                                        "conveyor-server/poisson" if poisson_rate else None),
                     samples=runner.samples, finished=time.strftime("%Y-%m-%d %H:%M:%S %z"))
     out_json = args.out_dir / f"{stamp}.json"
@@ -375,6 +389,8 @@ def print_summary(document: dict, out_json: Path | None) -> None:
                   f"{c['num_steps']} steps) = {c['pct_of_floor']:.0f}% of the floor, "
                   f"{c['pct_of_torch_matmul']:.0f}% of torch's matmul time"
                   + ("  (over 100%: other load slowed the limit measurement)" if c["pct_of_floor"] > 100 else ""))
+        if lim.get("note"):
+            print(f"  ({lim['note']})")
         wf = lim.get("workload_floor")
         if wf:
             print(f"  workload floor: {wf['total_s']:.1f} s (prefill {wf['prefill_s']:.1f} s + decode "

@@ -72,9 +72,11 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs: int,
-                     max_num_batched_tokens: int, kv_cache_memory: str, dtype: str = "float32") -> list[str]:
+                     max_num_batched_tokens: int, kv_cache_memory: str, dtype: str = "float32",
+                     quantization: str = "none") -> list[str]:
     cmd = [sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--threads", str(threads), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+           "--threads", str(threads), "--dtype", dtype, "--quantization", quantization,
+           "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-memory", kv_cache_memory,
            "--log-level", "WARNING"]
     if model is not None:
@@ -90,6 +92,10 @@ class LlamaCpp:
     server: Path
     src_dir: Path
     f32_gguf: Path
+
+    @property
+    def q8_0_gguf(self) -> Path:
+        return self.f32_gguf.with_name(F32_GGUF_NAME.replace("F32", "Q8_0"))
 
     @classmethod
     def find(cls, peers_dir: Path) -> LlamaCpp | None:
