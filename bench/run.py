@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
     llama_runs = [(f, p) for f in families if f.startswith("llama") for p in runner.concurrency]
     total = (("conveyor" in families) + len(runner.conveyor_seqs) * ("conveyor-server" in families)
              + len(llama_runs) + bool(hf_families) + (not args.no_limits)
-             + (args.poisson_rate != "off") * (("conveyor-server" in families) + ("llama-server-f32" in families)))
+             + (args.poisson_rate != "off") * (("conveyor-server" in families) + (peer_family(args) in families)))
     outer = tqdm(total=total, desc="systems", unit="run", disable=None)
 
     if not args.no_limits:
@@ -302,11 +302,12 @@ def run(args: argparse.Namespace) -> dict:
             runner.attempt(f"{family}/p{parallel}",
                            lambda f=family, t=target, p=parallel: runner.llama_server(llama, f, t, p))
         outer.update(1)
-    best_f32 = report.best(runner.results, "llama-server-f32/")
-    if poisson_rate and best_f32 and llama is not None:
-        outer.set_postfix_str("llama-server-f32 poisson")
-        runner.attempt("llama-server-f32/poisson", lambda: runner.llama_server(
-            llama, "llama-server-f32", ggufs["llama-server-f32"], best_f32[1]["concurrency"], rate=poisson_rate))
+    peer = peer_family(args)
+    best_peer = report.best(runner.results, f"{peer}/")
+    if poisson_rate and best_peer and llama is not None:
+        outer.set_postfix_str(f"{peer} poisson")
+        runner.attempt(f"{peer}/poisson", lambda: runner.llama_server(
+            llama, peer, ggufs[peer], best_peer[1]["concurrency"], rate=poisson_rate))
         outer.update(1)
     if hf_families:
         outer.set_postfix_str("transformers")
