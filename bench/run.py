@@ -354,10 +354,11 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
         if runner.conveyor_steps:
             lim["conveyor_decode_steps"] = limits.compare_steps(lim, runner.conveyor_steps)
     single = dict(runner.single or {})
-    llama_p1 = results.get("llama-server-f32/p1", {})
+    peer = peer_family(args)
+    llama_p1 = results.get(f"{peer}/p1", {})
     document.update(results=results, base=base_key, poisson_rate_req_s=poisson_rate,
                     single_request_decode={"conveyor": single or None,
-                                           "llama-server-f32/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
+                                           f"{peer}/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
                                            if llama_p1.get("tpot_ms", {}).get("mean") else None},
                     goals=report.goals(results, base_key, floor, runner.single, peer_family(args),
                                        "conveyor-server/poisson" if poisson_rate else None),
@@ -399,9 +400,10 @@ def print_summary(document: dict, out_json: Path | None) -> None:
                   f"{wf['output_tokens_per_s']:.0f} output tok/s")
     single = document["single_request_decode"]
     if single["conveyor"]:
+        peers = [(key.removesuffix("/p1_tok_s"), rate) for key, rate in single.items()
+                 if key.endswith("/p1_tok_s") and rate]
         print(f"\nsingle-request decode: conveyor {single['conveyor']['decode_tokens_per_s']:.1f} tok/s"
-              + (f", llama-server-f32 --parallel 1 {single['llama-server-f32/p1_tok_s']:.1f} tok/s"
-                 if single["llama-server-f32/p1_tok_s"] else ""))
+              + "".join(f", {name} --parallel 1 {rate:.1f} tok/s" for name, rate in peers))
     if document["goals"]:
         print("\ngoals:")
         print(report.goals_text(document["goals"]))
