@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conveyor-dtype", default="float32",
                    help="conveyor's --dtype (default float32: the same weight values as llama.cpp's F32 file)")
     p.add_argument("--conveyor-quantization", default="none", choices=("none", "int8", "gguf"),
-                   help="conveyor's --quantization (int8: compare with llama-server-q8_0)")
+                   help="conveyor's --quantization (int8: compare with llama-server-q8_0; gguf: with -q4_1)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
     p.add_argument("--poisson-rate", default="auto",
@@ -231,8 +231,9 @@ class Runner:
 
 
 def peer_family(args: argparse.Namespace) -> str:
-    """The llama-server family whose weights match conveyor's in this run."""
-    return "llama-server-q8_0" if args.conveyor_quantization == "int8" else "llama-server-f32"
+    """The llama-server family whose weights match conveyor's in this run (gguf: the bundled Q4_1 file)."""
+    return {"int8": "llama-server-q8_0", "gguf": "llama-server-q4_1"}.get(args.conveyor_quantization,
+                                                                       "llama-server-f32")
 
 
 def selected_families(text: str) -> list[str]:
