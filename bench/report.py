@@ -104,7 +104,7 @@ def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: d
           poisson_key: str | None) -> list[dict]:
     """Where conveyor stands on each target of the issue; a target whose peer did not run is 'not measured'.
 
-    peer_family: the llama-server family on the same weights (llama-server-f32, or -q8_0 for int8)."""
+    peer_family: the llama-server family on the same weights (llama-server-f32; -q8_0 for int8, -q4_1 for gguf)."""
     peer_name = peer_family.removeprefix("llama-server-").upper()
     base = results.get(base_key, {})
     ours = base.get("output_tokens_per_s")

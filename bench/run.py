@@ -361,7 +361,7 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
                     single_request_decode={"conveyor": single or None,
                                            f"{peer}/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
                                            if llama_p1.get("tpot_ms", {}).get("mean") else None},
-                    goals=report.goals(results, base_key, floor, runner.single, peer_family(args),
+                    goals=report.goals(results, base_key, floor, runner.single, peer,
                                        "conveyor-server/poisson" if poisson_rate else None),
                     samples=runner.samples, finished=time.strftime("%Y-%m-%d %H:%M:%S %z"))
     out_json = args.out_dir / f"{stamp}.json"

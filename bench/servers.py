@@ -21,6 +21,7 @@ from bench.client import wait_healthy
 
 DEFAULT_PEERS_DIR = Path.home() / ".cache" / "conveyor-peers"
 F32_GGUF_NAME = "SmolLM2-135M-Instruct.F32.gguf"
+Q8_0_GGUF_NAME = "SmolLM2-135M-Instruct.Q8_0.gguf"   # both made by scripts/build_llama_cpp.sh
 BUILD_HINT = "run scripts/build_llama_cpp.sh"
 
 
@@ -95,7 +96,7 @@ class LlamaCpp:
 
     @property
     def q8_0_gguf(self) -> Path:
-        return self.f32_gguf.with_name(F32_GGUF_NAME.replace("F32", "Q8_0"))
+        return self.f32_gguf.with_name(Q8_0_GGUF_NAME)
 
     @classmethod
     def find(cls, peers_dir: Path) -> LlamaCpp | None:

@@ -38,7 +38,7 @@ def gguf_paths(peers_dir: Path) -> dict[str, Path]:
     from conveyor.model.loader import resolve_model_path
 
     return {"f32": peers_dir / servers.F32_GGUF_NAME,
-            "q8_0": peers_dir / servers.F32_GGUF_NAME.replace("F32", "Q8_0"),
+            "q8_0": peers_dir / servers.Q8_0_GGUF_NAME,
             "q4_1": resolve_model_path(None)}
 
 
