@@ -127,3 +127,15 @@ def test_summarize_counts_and_orders() -> None:
     assert fig["tpot_ms"]["mean"] == pytest.approx(100.0)
     assert fig["itl_ms"]["p50"] == pytest.approx(100.0)
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+
+
+def test_replay_times_every_request(tiny_checkpoint: Path) -> None:
+    cmd = [sys.executable, "-m", "bench.replay", "--model", str(tiny_checkpoint), "--rate", "50",
+           "--num-requests", "3", "--output-tokens", "4", "--min-prompt", "5", "--max-prompt", "20",
+           "--threads", "1", "--target-itl-ms", "0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    check_distribution(result["ttft_ms"])
+    check_distribution(result["itl_ms"])
+    assert result["options"]["target_itl_ms"] is None and result["max_ttft_ms"] >= result["ttft_ms"]["p99"]
