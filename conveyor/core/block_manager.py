@@ -128,6 +128,17 @@ class BlockManager:
             self.ref_counts[block_id] = 1
             request.block_table.append(block_id)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the tail blocks beyond `num_tokens` tokens (slots of rejected draft tokens)."""
+        keep = self.blocks_for(num_tokens)
+        while len(request.block_table) > keep:
+            block_id = request.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0 and self.block_hashes[block_id] is None, \
+                f"block {block_id} is shared or cached: not a draft's"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks; tail blocks are queued first, so they go first."""
         for block_id in reversed(request.block_table):

@@ -17,6 +17,16 @@ class ScheduledRow:
     block_table: list[int]     # covers start_position + len(token_ids) tokens
     is_sampling: bool          # the chunk reaches the end of the request's tokens: sample one
     is_prefill: bool           # computing prompt (or recomputed) tokens rather than decoding
+    num_draft_tokens: int = 0  # the last this many tokens are guesses to verify: sample at each of them too
+
+    @property
+    def num_logits(self) -> int:
+        """Positions sampled: the guesses and the token before them, or the last token, or none."""
+        return self.num_draft_tokens + 1 if self.is_sampling else 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +66,8 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0      # guesses verified this step
+    num_accepted_tokens: int = 0   # of them, the leading run the model agreed with
 
 
 @dataclass(slots=True)

@@ -44,6 +44,10 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     arrival_index: int = 0               # set by the scheduler; breaks priority ties in arrival order
+    can_speculate: bool = False          # its decodes may carry draft tokens to verify
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_acceptance: float = 0.5        # recent share of draft tokens accepted (moving average)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None

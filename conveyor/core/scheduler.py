@@ -12,27 +12,36 @@ covers chunked prefill, decode and resume.
 A step takes every decode first, then chunks of prompts already started, then new prompts, so a
 long prompt never holds back a stream. With a cost model and a target inter-token latency, the
 prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
+
+With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the
+step computes them all and samples at each; `update` keeps the leading drafts the model agreed with
+and gives back the KV slots of the rest. Drafts are granted after the decodes and before any prompt
+chunk, only while the cost model says they raise the step's rate of emitted tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
 from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.speculative import Proposer, worth_drafting
 from conveyor.core.step_cost import PrefillBudget, StepCostModel, StepShape
 from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic, cost_model: StepCostModel | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost_model: StepCostModel | None = None,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.cost_model = cost_model   # None: steps are sized by max_num_batched_tokens alone
+        self.proposer = proposer       # None: no speculative decoding
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.clock = clock
@@ -129,6 +138,9 @@ class Scheduler:
             self._schedule_running(request, 1, rows, scheduled)
             budget -= 1
 
+        if self.num_speculative_tokens and rows:
+            budget = self._add_drafts(rows, budget)
+
         chunks = [r for r in self.running if r.request_id not in scheduled]
         if not (chunks or self.waiting) or budget == 0:
             return self._plan(rows, preempted)
@@ -173,33 +185,51 @@ class Scheduler:
             budget -= num_new
         return self._plan(rows, preempted)
 
-    def update(self, plan: StepPlan, sampled: Iterable[int]) -> StepResult:
-        """Advance the scheduled requests; `sampled` holds one token per sampling row, in plan order."""
-        sampled = list(sampled)
-        if len(sampled) != sum(row.is_sampling for row in plan.rows):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.sampling_ids)} sampling rows")
-        tokens = iter(sampled)
+    def update(self, plan: StepPlan, sampled: Iterable[Sequence[int]]) -> StepResult:
+        """Advance the scheduled requests; `sampled` holds, per sampling row in plan order, the tokens
+        it emits: the leading drafts the model agreed with, then the model's own next token."""
+        emitted_rows = [list(tokens) for tokens in sampled]
+        sampling_rows = [row for row in plan.rows if row.is_sampling]
+        if len(emitted_rows) != len(sampling_rows):
+            raise ValueError(f"{len(emitted_rows)} sampled rows for {len(sampling_rows)} sampling rows")
+        for row, emitted in zip(sampling_rows, emitted_rows):
+            accepted = len(emitted) - 1
+            if not 0 <= accepted <= row.num_draft_tokens or emitted[:accepted] != row.draft_token_ids[:accepted]:
+                raise ValueError(f"row {row.request_id}: {emitted} does not start with accepted drafts of "
+                                 f"{row.draft_token_ids}")
+        emitted_iter = iter(emitted_rows)
         result = StepResult()
         now = self.clock()
         for row in plan.rows:
-            token = next(tokens) if row.is_sampling else None
+            emitted = next(emitted_iter) if row.is_sampling else None
             request = self.requests.get(row.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = row.start_position + row.num_tokens
+            drafts = row.num_draft_tokens
+            accepted = len(emitted) - 1 if emitted is not None else 0
+            # The KV of rejected drafts is left behind the computed tokens, where nothing reads it.
+            request.num_computed_tokens = row.start_position + row.num_tokens - drafts + accepted
+            if drafts:
+                self.blocks.truncate(request, request.num_computed_tokens)
+                request.num_draft_tokens += drafts
+                request.num_accepted_tokens += accepted
+                request.draft_acceptance = 0.75 * request.draft_acceptance + 0.25 * accepted / drafts
             self.blocks.cache_full_blocks(request)
-            if token is None:
+            if emitted is None:
                 continue
-            request.append_token(token)
-            if request.first_token_s is None:
-                request.first_token_s = now
-            request.last_token_s = now
-            update = RequestUpdate(row.request_id, [token])
-            reason, stop_reason = self._check_stop(request, token)
-            if reason is not None:
-                update.finish_reason, update.stop_reason = reason, stop_reason
-                request.stop_reason = stop_reason
-                self._finish(request, reason)
+            update = RequestUpdate(row.request_id, [], num_draft_tokens=drafts, num_accepted_tokens=accepted)
+            for token in emitted:   # nothing after a stop is emitted
+                request.append_token(token)
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                request.last_token_s = now
+                update.new_token_ids.append(token)
+                reason, stop_reason = self._check_stop(request, token)
+                if reason is not None:
+                    update.finish_reason, update.stop_reason = reason, stop_reason
+                    request.stop_reason = stop_reason
+                    self._finish(request, reason)
+                    break
             result.updates.append(update)
         return result
 
@@ -215,6 +245,51 @@ class Scheduler:
             return PrefillBudget()
         return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
                              StepShape.from_rows(rows))
+
+    def _add_drafts(self, rows: list[ScheduledRow], budget: int) -> int:
+        """Extend the step's decode rows with draft tokens; returns the token budget left.
+
+        The j-th draft of a request is accepted with probability about acceptance**j (every earlier
+        one must be too); it is granted while that raises the step's expected tokens per second, by
+        the cost model. No request is preempted and no KV block evicted for a guess.
+        """
+        cost = self.cost_model.cost if self.cost_model is not None else None
+        shape = StepShape.from_rows(rows)
+        step_s = cost.predict_s(shape.num_tokens, shape.num_context_tokens) if cost is not None else 0.0
+        expected_tokens = float(len(rows))
+        for i, row in enumerate(rows):
+            request = self.requests[row.request_id]
+            if budget == 0:
+                break
+            if not request.can_speculate or row.is_prefill:
+                continue
+            cap = min(self.num_speculative_tokens, budget, request.max_tokens - len(request.output_token_ids) - 1,
+                      self.max_model_len - request.num_tokens - 1)
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids, cap) if cap > 0 else []
+            granted = 0
+            for _ in drafts:
+                if cost is not None:
+                    chance = request.draft_acceptance ** (granted + 1)
+                    token_s = cost.chunk_s(row.start_position + 1 + granted, 1)
+                    if not worth_drafting(chance, token_s, step_s, expected_tokens):
+                        break
+                    step_s += token_s
+                    expected_tokens += chance
+                granted += 1
+            if drafts and granted == 0:
+                # Refused for a poor record: trust creeps back, so the request is tried again later.
+                request.draft_acceptance += 0.02 * (1.0 - request.draft_acceptance)
+            room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size \
+                - row.start_position - 1
+            granted = min(granted, room)
+            if granted <= 0:
+                continue
+            self.blocks.allocate(request, row.start_position + 1 + granted)
+            rows[i] = ScheduledRow(request_id=row.request_id, token_ids=row.token_ids + drafts[:granted],
+                                   start_position=row.start_position, block_table=list(request.block_table),
+                                   is_sampling=True, is_prefill=False, num_draft_tokens=granted)
+            budget -= granted
+        return budget
 
     def _make_room(self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]) -> bool:
         """Preempt lower-priority running requests not yet in this step until `request` can grow to
@@ -274,6 +349,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self.blocks.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_s = self.clock()

@@ -239,7 +239,7 @@ class EngineCore:
         for request_id, message in failed.items():   # before update, which then skips them
             deltas += self._fail_request(request_id, message)
         logprobs = dict(zip(batch.sampling_ids, row_logprobs))
-        result = self.scheduler.update(plan, token_ids)
+        result = self.scheduler.update(plan, [[t] for t in token_ids])
         for update in result.updates:
             live = self._live.get(update.request_id)
             if live is None:

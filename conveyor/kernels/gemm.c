@@ -21,6 +21,15 @@
 #endif
 
 #define NR 32
+#ifndef PF_DIST
+#define PF_DIST 0
+#endif
+#ifndef PF_HINT
+#define PF_HINT 2
+#endif
+#ifndef PF_ROWS
+#define PF_ROWS 8
+#endif
 #define MC 64   /* rows of x per block: the block stays in L2 while the weight panels stream past */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -74,6 +83,12 @@ INLINE void tile_f32(const int mr, const float *x, int64_t ldx, const float *w, 
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
+#if PF_DIST > 0
+        if (mr <= PF_ROWS) {
+            __builtin_prefetch(w + (k + PF_DIST) * NR, 0, PF_HINT);
+            __builtin_prefetch(w + (k + PF_DIST) * NR + 16, 0, PF_HINT);
+        }
+#endif
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
             const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);

@@ -40,7 +40,7 @@ def step(sched: Scheduler, tokens: Mapping[str, int] | None = None) -> tuple[Ste
     """One schedule + update; each sampling row gets tokens[id] (default TOKEN)."""
     plan = sched.schedule()
     sampled = [(tokens or {}).get(rid, TOKEN) for rid in plan.sampling_ids]
-    result = sched.update(plan, sampled)
+    result = sched.update(plan, [[t] for t in sampled])
     audit(sched)
     return plan, result
 
@@ -63,7 +63,7 @@ def test_running_request_preempts_newest_when_blocks_run_out() -> None:
     sched.add(b)
     plan = sched.schedule()
     assert plan.num_scheduled_tokens == {"a": 8, "b": 7}
-    sched.update(plan, sampled=[11, 12])
+    sched.update(plan, [[11], [12]])
     plan = sched.schedule()                   # a's 9th token needs a 3rd block; none free
     assert plan.preempted_ids == ("b",) and b.status is RequestStatus.WAITING
     assert plan.num_scheduled_tokens == {"a": 1} and blocks.num_free_blocks == 1
@@ -292,7 +292,7 @@ def test_preempted_request_resumes_with_a_chunked_recompute() -> None:
         for rid in plan.sampling_ids:
             outputs[rid] += 1
             sampled.append(outputs[rid])
-        sched.update(plan, sampled)
+        sched.update(plan, [[t] for t in sampled])
         audit(sched)
         assert b.output_token_ids[:len(seen_b)] == seen_b     # never loses a token
         seen_b = list(b.output_token_ids)
@@ -443,7 +443,7 @@ def test_update_tolerates_a_row_aborted_after_schedule() -> None:
     plan = sched.schedule()
     assert plan.sampling_ids == ["a", "b", "c"]
     assert sched.abort("b") is True
-    result = sched.update(plan, [31, 32, 33])
+    result = sched.update(plan, [[31], [32], [33]])
     audit(sched)
     assert [(u.request_id, u.new_token_ids) for u in result.updates] == [("a", [31]), ("c", [33])]
     assert b.output_token_ids == [] and b.num_computed_tokens == 0

@@ -30,7 +30,7 @@ def make_scheduler(target_itl_ms: float | None = 50.0, min_prefill_chunk: int = 
 
 def step(sched: Scheduler) -> StepPlan:
     plan = sched.schedule()
-    sched.update(plan, [TOKEN] * len(plan.sampling_ids))
+    sched.update(plan, [[TOKEN]] * len(plan.sampling_ids))
     audit_blocks(sched.blocks, list(sched.requests.values()))
     return plan
 
@@ -152,7 +152,7 @@ def test_closed_loop_steps_stay_near_the_target_once_the_model_has_learned() -> 
         shape = StepShape.from_plan(plan)
         time_s = truth.predict_s(shape.num_tokens, shape.num_context_tokens) * (1 + rng.gauss(0, 0.03))
         clock.advance(time_s)
-        sched.update(plan, [TOKEN] * len(plan.sampling_ids))
+        sched.update(plan, [[TOKEN]] * len(plan.sampling_ids))
         model.observe(shape, time_s)
         decodes = [row for row in plan.rows if not row.is_prefill]
         decode_only_s = truth.predict_s(len(decodes), sum(r.start_position + 1 for r in decodes))

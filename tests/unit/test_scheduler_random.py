@@ -134,7 +134,7 @@ class Harness:
             self.audit()
         live_before = set(self.sched.requests)
         sampled = [self.sample(rng) for _ in plan.sampling_ids]
-        result = self.sched.update(plan, sampled)
+        result = self.sched.update(plan, [[t] for t in sampled])
         fed = dict(zip(plan.sampling_ids, sampled))
         for request_id, token in fed.items():
             if request_id in live_before:
