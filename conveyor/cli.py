@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, CacheConfig
+from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, CacheConfig, SpeculativeConfig
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
@@ -46,6 +46,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="recompute shared prompt prefixes instead of reusing their KV blocks")
+    group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                       help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
+                            "request, verified by the model in the same step (outputs unchanged; default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
+                       help="most guessed tokens per decode")
+    group.add_argument("--ngram-prompt-lookup-min", type=int, default=SpeculativeConfig.ngram_prompt_lookup_min,
+                       help="shortest tail of the context looked up for a guess")
+    group.add_argument("--ngram-prompt-lookup-max", type=int, default=SpeculativeConfig.ngram_prompt_lookup_max,
+                       help="longest tail looked up (tried first)")
     group.add_argument("--log-level", default=None,
                        help="DEBUG, INFO, WARNING (default: WARNING for generate, INFO for serve)")
 
@@ -58,6 +67,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_prompt_lookup_min": args.ngram_prompt_lookup_min, "ngram_prompt_lookup_max": args.ngram_prompt_lookup_max,
     }
 
 

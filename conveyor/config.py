@@ -136,11 +136,36 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: decodes carry guessed tokens that the model verifies in the same step."""
+
+    speculative: str | None = None        # None = off; "ngram": prompt lookup in the request's own context
+    num_speculative_tokens: int = 4       # most guesses per decode
+    ngram_prompt_lookup_min: int = 2      # shortest context tail looked up
+    ngram_prompt_lookup_max: int = 4      # longest, tried first
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, "
+                             f"got {self.speculative!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        _positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
+        _positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"ngram_prompt_lookup_min {self.ngram_prompt_lookup_min} exceeds "
+                             f"ngram_prompt_lookup_max {self.ngram_prompt_lookup_max}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -150,11 +175,11 @@ class EngineConfig:
         the scheduler defaults; scheduler options given explicitly win over it.
         """
         batch_preset = options.pop("batch_preset", None) or "balanced"
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
         owners = {
             f.name: part
             for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
-                                ("scheduler", SchedulerConfig))
+                                ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig))
             for f in dataclasses.fields(klass)
         }
         for name, value in options.items():
@@ -162,7 +187,8 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {name!r}; known: {', '.join(sorted(owners))}")
             parts[owners[name]][name] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig.from_preset(batch_preset, **parts["scheduler"]))
+                   SchedulerConfig.from_preset(batch_preset, **parts["scheduler"]),
+                   SpeculativeConfig(**parts["speculative"]))
 
 
 @dataclass(frozen=True)

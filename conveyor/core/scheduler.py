@@ -214,22 +214,27 @@ class Scheduler:
                 request.num_draft_tokens += drafts
                 request.num_accepted_tokens += accepted
                 request.draft_acceptance = 0.75 * request.draft_acceptance + 0.25 * accepted / drafts
-            self.blocks.cache_full_blocks(request)
             if emitted is None:
+                self.blocks.cache_full_blocks(request)
                 continue
             update = RequestUpdate(row.request_id, [], num_draft_tokens=drafts, num_accepted_tokens=accepted)
+            reason = None
             for token in emitted:   # nothing after a stop is emitted
                 request.append_token(token)
-                if request.first_token_s is None:
-                    request.first_token_s = now
-                request.last_token_s = now
                 update.new_token_ids.append(token)
                 reason, stop_reason = self._check_stop(request, token)
                 if reason is not None:
-                    update.finish_reason, update.stop_reason = reason, stop_reason
-                    request.stop_reason = stop_reason
-                    self._finish(request, reason)
                     break
+            if request.first_token_s is None:
+                request.first_token_s = now
+            request.last_token_s = now
+            # A stop inside the accepted run leaves computed drafts past the kept tokens: they never count.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.blocks.cache_full_blocks(request)   # before a finish frees them, so they stay cached
+            if reason is not None:
+                update.finish_reason, update.stop_reason = reason, stop_reason
+                request.stop_reason = stop_reason
+                self._finish(request, reason)
             result.updates.append(update)
         return result
 

@@ -21,6 +21,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.speculative import NgramProposer
 from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.engine.messages import (
     AbortRequests,
@@ -35,13 +36,14 @@ from conveyor.engine.messages import (
     TokenDelta,
 )
 from conveyor.engine.stats import EngineStats, StepStats
+from conveyor.engine.step_sampling import sample_rows
 from conveyor.errors import ConveyorError
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
-from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
+from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,11 @@ class EngineCore:
                                 transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.cost_model = StepCostModel()
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model)
+        spec = config.speculative
+        proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
+                    if spec.speculative == "ngram" else None)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model,
+                                   proposer, spec.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.device)
         self.stats = EngineStats()
@@ -122,6 +128,7 @@ class EngineCore:
             max_tokens=params.max_tokens,
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
+            can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
         generator = make_generator(params, self.device)
         self.scheduler.add(request)   # first: a refused request leaves no state behind
@@ -233,20 +240,23 @@ class EngineCore:
         return StepOutputs(deltas, self.load(), step, rejected, num_added)
 
     def _run(self, plan: StepPlan) -> list[TokenDelta]:
-        batch, logits = self.runner.execute(plan)
-        token_ids, row_logprobs, failed = self._sample(logits, batch.sampling_ids)
+        _, logits = self.runner.execute(plan)
+        rows = [row for row in plan.rows if row.is_sampling]
+        sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
+                              {r.request_id: self._live[r.request_id].generator for r in rows})
         deltas = []
-        for request_id, message in failed.items():   # before update, which then skips them
+        for request_id, message in sampled.failed.items():   # before update, which then skips them
             deltas += self._fail_request(request_id, message)
-        logprobs = dict(zip(batch.sampling_ids, row_logprobs))
-        result = self.scheduler.update(plan, [[t] for t in token_ids])
+        logprobs = {row.request_id: entries for row, entries in zip(rows, sampled.logprobs)}
+        result = self.scheduler.update(plan, sampled.emitted)
         for update in result.updates:
+            self.stats.record_drafts(update.num_draft_tokens, update.num_accepted_tokens)
             live = self._live.get(update.request_id)
             if live is None:
                 continue
-            token_logprobs = logprobs.get(update.request_id)
+            entries = logprobs[update.request_id][:len(update.new_token_ids)]
             delta = TokenDelta(update.request_id, update.new_token_ids,
-                               [token_logprobs] if token_logprobs is not None else [])
+                               entries if all(e is not None for e in entries) else [])
             if update.finish_reason is not None:
                 del self._live[update.request_id]
                 delta.finish_reason = update.finish_reason.value
@@ -254,44 +264,6 @@ class EngineCore:
                 delta.metrics = self._metrics(live.request)
             deltas.append(delta)
         return deltas
-
-    def _sample(self, logits: torch.Tensor, sampling_ids: list[str]
-                ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
-        """One token per sampling row, with its logprobs, and {request_id: error} for rows that failed.
-
-        If the batched call raises, every row is sampled alone, so only a row that fails on its own
-        is lost (token 0 stands in for it). Seeded generators are rewound first: the failed batch
-        may have drawn from them, and a seed must give the same tokens either way.
-        """
-        rows = []
-        for request_id in sampling_ids:
-            live = self._live[request_id]
-            request = live.request
-            rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
-                                    live.generator, request.eos_token_ids))
-        states = [row.generator.get_state() if row.generator is not None else None for row in rows]
-        try:
-            sampled = self.sampler.sample(logits, rows)
-            return sampled.token_ids, sampled.logprobs, {}
-        except Exception:
-            logger.exception("sampling %d rows failed; sampling them one at a time", len(rows))
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        failed: dict[str, str] = {}
-        for i, (request_id, row, state) in enumerate(zip(sampling_ids, rows, states)):
-            if row.generator is not None and state is not None:
-                row.generator.set_state(state)
-            try:
-                alone = self.sampler.sample(logits[i:i + 1], [row])
-            except Exception as exc:
-                logger.exception("sampling request %s failed", request_id)
-                failed[request_id] = f"internal error while sampling this request: {exc}"
-                token_ids.append(0)
-                logprobs.append(None)
-            else:
-                token_ids += alone.token_ids
-                logprobs += alone.logprobs
-        return token_ids, logprobs, failed
 
     def _fail(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         deltas = []

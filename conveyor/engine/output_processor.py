@@ -50,24 +50,29 @@ class OutputProcessor:
             return None
         params = stream.params
         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-        text_delta = "".join(stream.detokenizer.push(t) for t in delta.new_token_ids)
+        token_ids, logprobs = delta.new_token_ids, delta.new_logprobs
         searched_from = len(stream.text)
-        stream.text += text_delta
-        if params.stop and finish_reason != "error":
-            hit = _find_stop(stream.text, params.stop, searched_from)
+        search = bool(params.stop) and finish_reason != "error"
+        # Token by token: a delta of several tokens (verified guesses) may hold a stop string in its
+        # middle, and the tokens after the one that completes it are not part of the output.
+        for i, token_id in enumerate(token_ids):
+            stream.text += stream.detokenizer.push(token_id)
+            hit = _find_stop(stream.text, params.stop, searched_from) if search else None
             if hit is not None:
                 index, stop = hit
                 stream.text = stream.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1]
                 if finish_reason is None:
                     self.stop_hits.append((delta.request_id, stop))
                 finish_reason, stop_reason = "stop", stop
+                break
         finished = finish_reason is not None
         # While running, hold back a tail that could be the start of a stop string.
         hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
         end = max(len(stream.text) - hold, stream.num_emitted_chars)
         new_text = stream.text[stream.num_emitted_chars:end]
         stream.num_emitted_chars = end
-        output = RequestOutput(delta.request_id, delta.new_token_ids, new_text, delta.new_logprobs)
+        output = RequestOutput(delta.request_id, token_ids, new_text, logprobs)
         if finished:
             del self._streams[delta.request_id]
             output.finished = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,25 @@ class EngineStats:
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_drafts: int = 0               # decodes that carried draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)   # [i]: drafts whose (i+1)-th guess held
+
+    def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if not num_draft_tokens:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            if i == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += 1
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def record(self, step: StepStats) -> None:
         self.num_steps += 1

@@ -15,8 +15,8 @@ class Batch:
     input_ids: torch.Tensor        # (T,) the new tokens of every row, concatenated
     positions: torch.Tensor        # (T,) each token's position in its own sequence
     meta: AttentionMetadata
-    logits_indices: torch.Tensor   # (S,) the last token of each sampling row
-    sampling_ids: list[str]        # request ids of the sampling rows, in order
+    logits_indices: torch.Tensor   # (S,) the last token of each sampling row; with drafts, its last 1 + drafts
+    sampling_ids: list[str]        # request ids of the sampling rows, in order (one per row, not per logit)
 
 
 def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
@@ -32,7 +32,7 @@ def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
         positions.extend(range(row.start_position, row.start_position + row.num_tokens))
         rows.append(RowSpec(start, row.num_tokens, row.start_position + row.num_tokens, row.block_table))
         if row.is_sampling:
-            logits_indices.append(len(input_ids) - 1)
+            logits_indices.extend(range(len(input_ids) - row.num_logits, len(input_ids)))
             sampling_ids.append(row.request_id)
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

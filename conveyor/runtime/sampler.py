@@ -261,6 +261,13 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
+    """Advance `generator` exactly as `count` seeded draws of `_draw` over `vocab_size` tokens do."""
+    row = torch.empty(vocab_size)
+    for _ in range(count):
+        row.uniform_(generator=generator)
+
+
 def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs (L, V), token_ids (L,) -> the sampled token's logprob and each row's top-N, as Python values."""
     # OpenAI reports an impossible token as -9999.0; JSON has no -inf (and NaN must not reach it either).
