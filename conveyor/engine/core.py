@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,6 +52,25 @@ logger = logging.getLogger(__name__)
 class _Live:
     request: Request
     generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class _DraftTally:
+    """One step's speculative decoding counts, for its StepStats."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_tokens += num_accepted_tokens
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+            for i in range(num_accepted_tokens):
+                self.accepted_per_position[i] += 1
 
 
 class EngineCore:
@@ -207,8 +226,9 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._outputs(deltas, None)
+        drafts = _DraftTally()
         try:
-            deltas += self._run(plan)
+            deltas += self._run(plan, drafts)
             failed = False
         except Exception as exc:  # a failed step fails its own requests; the engine goes on
             logger.exception("step failed; failing its %d requests", len(plan.rows))
@@ -226,6 +246,10 @@ class EngineCore:
             num_preemptions=len(plan.preempted_ids),
             num_prefix_query_tokens=self.blocks.num_query_tokens - lookups_before[0],
             num_prefix_hit_tokens=self.blocks.num_hit_tokens - lookups_before[1],
+            num_drafts=drafts.num_drafts,
+            num_draft_tokens=drafts.num_draft_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            accepted_per_position=tuple(drafts.accepted_per_position),
         )
         self.stats.record(step)
         self.last_step = step
@@ -239,7 +263,7 @@ class EngineCore:
         self._has_news = False
         return StepOutputs(deltas, self.load(), step, rejected, num_added)
 
-    def _run(self, plan: StepPlan) -> list[TokenDelta]:
+    def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
         _, logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
         sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
@@ -250,7 +274,7 @@ class EngineCore:
         logprobs = {row.request_id: entries for row, entries in zip(rows, sampled.logprobs)}
         result = self.scheduler.update(plan, sampled.emitted)
         for update in result.updates:
-            self.stats.record_drafts(update.num_draft_tokens, update.num_accepted_tokens)
+            drafts.add(update.num_draft_tokens, update.num_accepted_tokens)
             live = self._live.get(update.request_id)
             if live is None:
                 continue
@@ -291,4 +315,6 @@ class EngineCore:
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )

@@ -89,6 +89,8 @@ class RequestMetrics:
     num_output_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0        # guesses verified for it (speculative decoding)
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time_s(self) -> float | None:

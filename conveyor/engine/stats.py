@@ -18,6 +18,10 @@ class StepStats:
     num_preemptions: int          # in this step
     num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache this step
     num_prefix_hit_tokens: int
+    num_drafts: int = 0           # decodes that carried draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()   # [i]: drafts whose (i+1)-th guess held
 
     @property
     def is_decode(self) -> bool:
@@ -45,17 +49,6 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: drafts whose (i+1)-th guess held
 
-    def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        if not num_draft_tokens:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for i in range(num_accepted_tokens):
-            if i == len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            self.accepted_per_position[i] += 1
-
     @property
     def draft_acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
@@ -68,6 +61,13 @@ class EngineStats:
         self.num_preemptions += step.num_preemptions
         self.num_prefix_query_tokens += step.num_prefix_query_tokens
         self.num_prefix_hit_tokens += step.num_prefix_hit_tokens
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        for i, count in enumerate(step.accepted_per_position):
+            if i == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += count
         if step.is_decode:
             self.decode_step_tokens += step.num_decode_tokens
             self.decode_time_s += step.step_time_s

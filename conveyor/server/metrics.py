@@ -48,7 +48,10 @@ METRIC_NAMES = (
     "conveyor:avg_sequences_per_step",
     "conveyor:step_time_seconds",
     "conveyor:batch_config_info",
-)
+    "conveyor:spec_decode_num_drafts_total",
+    "conveyor:spec_decode_num_draft_tokens_total",
+    "conveyor:spec_decode_num_accepted_tokens_total",
+)  # and, once a draft is accepted, conveyor:spec_decode_num_accepted_tokens_per_pos{position=...}
 
 
 class ServerMetrics:
@@ -99,6 +102,12 @@ class ServerMetrics:
         self.prefix_queries = counter("conveyor:prefix_cache_queries_total",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("conveyor:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.drafts = counter("conveyor:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
+        self.draft_tokens = counter("conveyor:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
+        self.accepted_tokens = counter("conveyor:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter("conveyor:spec_decode_num_accepted_tokens_per_pos",
+                                         "Drafts whose guess at this position (0 = first) was accepted.",
+                                         ["model_name", "position"], registry=r)
         self._success = Counter("conveyor:request_success_total", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
@@ -147,6 +156,13 @@ class ServerMetrics:
             self.prefix_queries.inc(step.num_prefix_query_tokens)
         if step.num_prefix_hit_tokens:
             self.prefix_hits.inc(step.num_prefix_hit_tokens)
+        if step.num_drafts:
+            self.drafts.inc(step.num_drafts)
+            self.draft_tokens.inc(step.num_draft_tokens)
+            self.accepted_tokens.inc(step.num_accepted_tokens)
+            for position, count in enumerate(step.accepted_per_position):
+                if count:
+                    self._accepted_per_pos.labels(self._model_name, str(position)).inc(count)
         self.prefill_tps.set(stats.prefill_tokens_per_s)
         self.decode_tps.set(stats.decode_tokens_per_s)
         self.avg_rows.set(stats.avg_rows_per_step)
@@ -168,10 +184,12 @@ class ServerMetrics:
         rate = (metrics.num_output_tokens - 1) / decode_s if decode_s > 0 else 0.0
         level = logging.WARNING if output.error else logging.INFO
         logger.log(level, "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
-                   "queue %s, TTFT %s, e2e %s, decode %.1f tokens/s, %d preemptions%s",
+                   "queue %s, TTFT %s, e2e %s, decode %.1f tokens/s, %d preemptions%s%s",
                    output.request_id, output.finish_reason, metrics.num_prompt_tokens, metrics.num_cached_tokens,
                    metrics.num_output_tokens, _seconds(metrics.queue_time_s), _seconds(metrics.ttft_s),
                    _seconds(metrics.e2e_s), rate, metrics.num_preemptions,
+                   f", draft acceptance {metrics.num_accepted_tokens / metrics.num_draft_tokens:.0%} "
+                   f"({metrics.num_accepted_tokens}/{metrics.num_draft_tokens})" if metrics.num_draft_tokens else "",
                    f"; error: {output.error}" if output.error else "")
 
     def refresh_load(self) -> None:
