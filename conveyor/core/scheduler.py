@@ -256,7 +256,8 @@ class Scheduler:
 
         The j-th draft of a request is accepted with probability about acceptance**j (every earlier
         one must be too); it is granted while that raises the step's expected tokens per second, by
-        the cost model. No request is preempted and no KV block evicted for a guess.
+        the cost model. No request is preempted for a guess; its slots come from free blocks (empty
+        ones first, as the free queue keeps them in front of cached prefixes).
         """
         cost = self.cost_model.cost if self.cost_model is not None else None
         shape = StepShape.from_rows(rows)
