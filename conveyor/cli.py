@@ -9,23 +9,27 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from conveyor import __version__
 from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, CacheConfig, SpeculativeConfig
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's spellings
+
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
+    group.add_argument("--model", "-m", default=None,
                        help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", choices=DTYPES, default="auto",
+    group.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="auto",
                        help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
-                            "native bf16 dot products (AVX-512 BF16), float32 elsewhere")
+                            "native bf16 dot products (AVX-512 BF16), float32 elsewhere; half = float16, "
+                            "float = float32")
     group.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                        help="none: weights as loaded (GGUF dequantized to float); int8: linear layers in int8 "
                             "(blocks of 32) from any checkpoint; gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors")
-    group.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default="balanced",
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
@@ -33,19 +37,24 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target-itl-ms", type=float, default=None,
                        help="keep steps that decode under this many ms by cutting prompt chunks; 0 = off "
                             "(balanced: 200)")
-    group.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (balanced: 64)")
+    group.add_argument("--max-num-seqs", "-np", type=int, default=None,
+                       help="most requests in one batch (balanced: 64)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="most tokens computed in one step, so the largest prompt chunk (balanced: 512)")
     group.add_argument("--min-prefill-chunk", type=int, default=None,
                        help="prompt tokens a decoding step still takes when decodes alone miss the target "
                             "(balanced: 32)")
-    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    group.add_argument("--max-model-len", "-c", type=int, default=None,
+                       help="longest prompt + output (default: the model's)")
     group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV blocks of shared prompt prefixes (--no-enable-prefix-caching: recompute "
+                            "them)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="recompute shared prompt prefixes instead of reusing their KV blocks")
+                       help="the same as --no-enable-prefix-caching")
     group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                        help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
                             "request, verified by the model in the same step (outputs unchanged; default: off)")
@@ -61,7 +70,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "threads": args.threads, "device": args.device,
+        "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "quantization": args.quantization, "threads": args.threads, "device": args.device,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
@@ -79,6 +88,7 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="An LLM serving engine built around continuous batching")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming the text to the terminal")
@@ -91,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_flags(gen)
+    gen.set_defaults(subparser=gen)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as in `vllm serve MODEL` (the same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None,
@@ -125,7 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
                        help="run the engine core on a thread of the server process instead of a process of its own")
     _add_engine_flags(serve)
+    serve.set_defaults(subparser=serve)
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Flags -> namespace; a mistake is reported with the usage of the subcommand it was made in."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None:
+        if args.model is not None and args.model != model_tag:
+            args.subparser.error(f"the model is given twice: {model_tag!r} and --model {args.model!r}")
+        args.model = model_tag
+    return args
 
 
 def configure_logging(level: str | None, default: str) -> None:
@@ -201,7 +229,7 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging(args.log_level, "INFO" if args.command == "serve" else "WARNING")
     try:
         if args.command == "generate":

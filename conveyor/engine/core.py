@@ -133,6 +133,10 @@ class EngineCore:
         logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d",
                     "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
                     sched.max_num_batched_tokens, sched.min_prefill_chunk)
+        if proposer is not None:
+            logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
+                        spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
+                        spec.ngram_prompt_lookup_max)
 
     # ------------------------------------------------------------ requests
 

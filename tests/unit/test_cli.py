@@ -1,0 +1,52 @@
+"""The `conveyor` command line: vLLM's and llama.cpp's spellings land on the same engine options."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor import __version__
+from conveyor.cli import engine_options, parse_args
+
+
+def test_positional_model_and_llama_cpp_aliases() -> None:
+    args = parse_args(["serve", "some/model.gguf", "-t", "3", "-np", "8", "-c", "2048"])
+    options = engine_options(args)
+    assert (options["model"], options["threads"], options["max_num_seqs"], options["max_model_len"]) == \
+        ("some/model.gguf", 3, 8, 2048)
+    assert engine_options(parse_args(["generate", "hi", "-m", "x.gguf"]))["model"] == "x.gguf"
+    assert engine_options(parse_args(["serve", "x.gguf", "--model", "x.gguf"]))["model"] == "x.gguf"
+
+
+def test_model_given_twice_differently_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "a.gguf", "--model", "b.gguf"])
+    assert "usage: conveyor serve" in capsys.readouterr().err
+
+
+def test_unknown_flag_shows_the_subcommand_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert "usage: conveyor serve" in err and "unrecognized arguments: --no-such-flag" in err
+
+
+def test_prefix_caching_and_dtype_spellings() -> None:
+    assert engine_options(parse_args(["serve"]))["enable_prefix_caching"] is True
+    for flag in ("--no-enable-prefix-caching", "--no-prefix-caching"):
+        assert engine_options(parse_args(["serve", flag]))["enable_prefix_caching"] is False
+    assert engine_options(parse_args(["serve", "--dtype", "half"]))["dtype"] == "float16"
+    assert engine_options(parse_args(["serve", "--dtype", "float"]))["dtype"] == "float32"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"conveyor {__version__}"
+
+
+def test_speculative_flags() -> None:
+    options = engine_options(parse_args(["serve", "--speculative", "ngram", "--num-speculative-tokens", "6",
+                                         "--ngram-prompt-lookup-min", "1", "--ngram-prompt-lookup-max", "3"]))
+    assert (options["speculative"], options["num_speculative_tokens"], options["ngram_prompt_lookup_min"],
+            options["ngram_prompt_lookup_max"]) == ("ngram", 6, 1, 3)
+    assert engine_options(parse_args(["serve"]))["speculative"] is None
