@@ -37,6 +37,14 @@ from conveyor.server.protocol import (
     ModelList,
 )
 from conveyor.server.serving import OpenAIServing
+from conveyor.server.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +105,8 @@ class RequestGuard:
         self.max_concurrency = max_concurrency
         self.num_in_progress = 0
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
-        self.protected_paths = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
+        keyed = ("/v1/", "/tokenize", "/detokenize")
+        self.protected_paths = (*keyed, "/metrics") if protect_metrics else keyed
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
@@ -195,7 +204,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
               max_concurrency: int | None = None) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
 
-    The API key guards /v1/* (and /metrics with `protect_metrics`); /health stays open for probes.
+    The API key guards /v1/*, /tokenize and /detokenize (and /metrics with `protect_metrics`); /health stays open.
     `enable_docs` False removes /openapi.json, /docs and /redoc.
     """
     metrics = ServerMetrics(async_engine, model_name)
@@ -261,6 +270,22 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created,
                                          max_model_len=async_engine.info.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"],
+             responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return ModelCard(id=model_name, created=created, max_model_len=async_engine.info.max_model_len)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_text(body: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's (or the chat messages') token ids, as a completion would run them."""
+        return await tokenize(serving, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids (special tokens included)."""
+        return await detokenize(serving, body)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> Any:

@@ -31,6 +31,7 @@ from conveyor.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatMessage,
     ChatLogprobs,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -112,18 +113,22 @@ class OpenAIServing:
             raise PromptTooLong(f"the prompt has {num_chars} characters; this server tokenizes at most "
                                 f"{self.max_prompt_chars} (--max-prompt-chars)", param=param)
 
-    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Large texts are tokenized on a worker thread, so streams and /health go on meanwhile.
         if len(text) > _THREAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(_encode_large, self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
     async def _render_chat(self, body: ChatCompletionRequest) -> str:
-        messages = [m.as_template_input() for m in body.messages]
+        return await self.render_messages(body.messages, body.add_generation_prompt)
+
+    async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The messages through the model's chat template, size-checked before and after."""
+        messages = [m.as_template_input() for m in chat_messages]
         num_chars = sum(len(m["content"] or "") for m in messages)
         self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages,
-                                   add_generation_prompt=body.add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt)
         text = await asyncio.to_thread(render) if num_chars > _THREAD_TOKENIZE_CHARS else render()
         self.check_prompt_chars(len(text), "messages")
         return text
@@ -168,7 +173,7 @@ class OpenAIServing:
         params = body.sampling_params()
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
-        prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in texts]
+        prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
         group = self._start("cmpl", prompts, params, body.priority)
         created = int(time.time())
         if body.stream:
@@ -233,7 +238,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = body.sampling_params()
         text = await self._render_chat(body)
-        prompts = [await self._encode(text, add_special_tokens=False)]  # the template has the BOS
+        prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:
             group = self._start("chatcmpl", prompts, params, body.priority)
         except InvalidRequest as exc:
