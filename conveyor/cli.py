@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-docs", dest="enable_docs", action="store_false",
                        help="remove /openapi.json, /docs and /redoc (default: served, without the API key)")
     serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model file or folder name)")
+                       help="the model name clients send (default: the model file's name without .gguf, or the folder's)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
                             "with Retry-After, before any response starts; 0 = no queue: accept only what can "

@@ -23,6 +23,7 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
+from conveyor.model.loader import default_model_name
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class LLMEngine:
         self.clock = clock
         self.core = EngineCore(config, clock)
         self.tokenizer: Tokenizer = load_tokenizer(self.core.model_path)
-        self.model_name = config.model.served_model_name or self.core.model_path.name
+        self.model_name = config.model.served_model_name or default_model_name(self.core.model_path)
         self.processor = OutputProcessor(self.tokenizer)
 
     # The core's parts, for callers that look inside (tests, the benchmark).

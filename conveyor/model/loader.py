@@ -58,6 +58,11 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def default_model_name(path: Path) -> str:
+    """The id clients send when no --served-model-name is given: a folder's name, a file's without .gguf."""
+    return path.name.removesuffix(".gguf") if path.is_file() else path.name
+
+
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"

@@ -25,7 +25,7 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
-from conveyor.model.loader import resolve_model_path
+from conveyor.model.loader import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
 from conveyor.server.http_protocol import header_timeout_protocol
 
@@ -103,8 +103,8 @@ def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> i
         try:
             tokenizer = load_tokenizer(model_path)   # while the core loads the weights
             client.wait_ready()
-            uvicorn_server = build_server(client, tokenizer, config.model.served_model_name or model_path.name,
-                                          server)
+            model_name = config.model.served_model_name or default_model_name(model_path)
+            uvicorn_server = build_server(client, tokenizer, model_name, server)
             return _run(uvicorn_server)
         finally:
             client.kill()   # a no-op after a clean shutdown; never leave the core behind

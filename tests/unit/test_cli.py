@@ -50,3 +50,14 @@ def test_speculative_flags() -> None:
     assert (options["speculative"], options["num_speculative_tokens"], options["ngram_prompt_lookup_min"],
             options["ngram_prompt_lookup_max"]) == ("ngram", 6, 1, 3)
     assert engine_options(parse_args(["serve"]))["speculative"] is None
+
+
+def test_default_model_name_drops_the_gguf_extension(tmp_path) -> None:
+    from conveyor.model.loader import default_model_name
+
+    file = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    file.write_bytes(b"GGUF")
+    assert default_model_name(file) == "SmolLM2-135M-Instruct.Q4_1"
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert default_model_name(folder) == "my-model"
