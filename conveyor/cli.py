@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "with Retry-After (/health and /metrics are never refused; default: no cap)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
+    serve.add_argument("--seed", type=int, default=None,
+                       help="seed the sampling of requests that bring no seed of their own, so a server restarted "
+                            "with the same requests gives the same answers (default: random)")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
                        help="run the engine core on a thread of the server process instead of a process of its own")
     _add_engine_flags(serve)
@@ -204,7 +207,8 @@ def serve(args: argparse.Namespace) -> int:
     from conveyor.config import EngineConfig, ServerConfig
     from conveyor.server.serve import run_server
 
-    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
+    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name,
+                                       seed=args.seed)
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, shutdown_grace_s=args.shutdown_grace,
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,

@@ -48,8 +48,11 @@ class ModelConfig:
     device: str = "cpu"
     served_model_name: str | None = None
     quantization: str = "none"        # one of QUANTIZATIONS
+    seed: int | None = None           # seeds the generator of requests without a seed of their own
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

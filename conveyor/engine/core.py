@@ -78,6 +78,8 @@ class EngineCore:
         started = time.perf_counter()
         self.config = config
         self.clock = clock
+        if config.model.seed is not None:
+            torch.manual_seed(config.model.seed)   # the shared generator of unseeded requests
         num_threads = config.model.threads or kernels.threads.num_threads()
         torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(config.model.model)

@@ -1,0 +1,21 @@
+"""An engine-wide seed makes requests without a seed of their own reproducible across engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conveyor import LLM, SamplingParams
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["the quick brown fox", "hello there", "one two three"]
+
+
+def sample(tiny_checkpoint: Path, seed: int | None) -> list[list[int]]:
+    llm = LLM(str(tiny_checkpoint), seed=seed, kv_cache_memory="32MiB", threads=1)
+    return [o.token_ids for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
+
+
+def test_same_engine_seed_same_unseeded_samples(tiny_checkpoint: Path) -> None:
+    first = sample(tiny_checkpoint, seed=7)
+    assert sample(tiny_checkpoint, seed=7) == first
+    assert sample(tiny_checkpoint, seed=8) != first
