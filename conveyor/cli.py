@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "with Retry-After (/health and /metrics are never refused; default: no cap)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
+    serve.add_argument("--disable-log-stats", dest="log_stats", action="store_false",
+                       help="no periodic Running / Waiting / KV cache / throughput line (default: every 10 s "
+                            "while there is work)")
     serve.add_argument("--seed", type=int, default=None,
                        help="seed the sampling of requests that bring no seed of their own, so a server restarted "
                             "with the same requests gives the same answers (default: random)")
@@ -214,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
-                          enable_docs=args.enable_docs,
+                          enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
                           core_process=args.core_process)
     return run_server(config, server)
 

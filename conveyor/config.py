@@ -220,6 +220,9 @@ class ServerConfig:
     # removes /openapi.json, /docs and /redoc (vLLM's --disable-fastapi-docs).
     protect_metrics: bool = False
     enable_docs: bool = True
+    # A "Running / Waiting / KV cache / throughput" line this often while there is work, as vLLM
+    # prints; 0 = never (vLLM's --disable-log-stats).
+    stats_log_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -237,6 +240,8 @@ class ServerConfig:
         _positive("max_concurrency", self.max_concurrency, allow_none=True)
         if self.protect_metrics and self.api_key is None:
             raise ValueError("protect_metrics needs an api_key to protect /metrics with")
+        if not self.stats_log_interval_s >= 0:
+            raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

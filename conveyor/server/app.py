@@ -201,13 +201,13 @@ class RequestGuard:
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
               body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
-              max_concurrency: int | None = None) -> FastAPI:
+              max_concurrency: int | None = None, stats_log_interval_s: float = 0.0) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
 
     The API key guards /v1/*, /tokenize and /detokenize (and /metrics with `protect_metrics`); /health stays open.
     `enable_docs` False removes /openapi.json, /docs and /redoc.
     """
-    metrics = ServerMetrics(async_engine, model_name)
+    metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
     serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
     created = int(time.time())

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.messages import StepOutputs, TokenDelta
+from conveyor.engine.messages import CoreLoad, StepOutputs, TokenDelta
 from conveyor.engine.stats import EngineStats, StepStats
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,12 @@ class ServerMetrics:
     is timed here, as the tokens reach the front) and the request figures of the last delta.
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, clock: Callable[[], float] = time.monotonic,
+                 stats_log_interval_s: float = 0.0) -> None:
         self.engine = engine
         self.clock = clock
+        self.stats_log_interval_s = stats_log_interval_s
+        self._window = _StatsWindow(clock())
         self.stats = EngineStats()
         self.registry = CollectorRegistry()
         self._last_token_s: dict[str, float] = {}   # request_id -> when its last token came out
@@ -127,9 +131,13 @@ class ServerMetrics:
             self.stats.record(outputs.step)
             self._observe_step(outputs.step)
         now = self.clock()
+        window = self._window
+        if outputs.step is not None:
+            window.prompt_tokens += outputs.step.num_prefill_tokens
         for delta in outputs.deltas:
             request_id = delta.request_id
             if delta.new_token_ids:
+                window.generation_tokens += len(delta.new_token_ids)
                 self.generation_tokens.inc(len(delta.new_token_ids))
                 last_s = self._last_token_s.get(request_id)
                 if last_s is not None:
@@ -138,11 +146,27 @@ class ServerMetrics:
             if delta.finished:
                 self._last_token_s.pop(request_id, None)
                 self._observe_finished(delta)
-        # Aborted requests never send a finished delta; drop their entries once they outnumber the live ones.
         load = outputs.load
+        if self.stats_log_interval_s and now - window.started_s >= self.stats_log_interval_s:
+            self._log_stats(now, load)
+        # Aborted requests never send a finished delta; drop their entries once they outnumber the live ones.
         if len(self._last_token_s) > load.num_running + load.num_waiting + self.engine.num_in_flight:
             for request_id in [r for r in self._last_token_s if r not in self.engine.processor]:
                 del self._last_token_s[request_id]
+
+    def _log_stats(self, now: float, load: CoreLoad) -> None:
+        """vLLM's periodic line, when anything happened since the last one or anything is in flight."""
+        window, seconds = self._window, now - self._window.started_s
+        self._window = _StatsWindow(now)
+        if not (window.prompt_tokens or window.generation_tokens or load.num_running or load.num_waiting):
+            return
+        stats = self.stats
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
+                    window.prompt_tokens / seconds, window.generation_tokens / seconds, load.num_running,
+                    load.num_waiting, 100 * load.kv_usage, 100 * stats.prefix_hit_rate,
+                    f", Draft acceptance rate: {100 * stats.draft_acceptance_rate:.1f}%"
+                    if stats.num_draft_tokens else "")
 
     def _observe_step(self, step: StepStats) -> None:
         stats = self.stats
@@ -202,6 +226,15 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.refresh_load()
         return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class _StatsWindow:
+    """Tokens since the last periodic stats line."""
+
+    started_s: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 def _seconds(value: float | None) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
-from server_helpers import RunningServer, metrics, slow_steps, sse_events
+from server_helpers import RunningServer, metrics, slow_steps, sse_events, start_server
 
 from conveyor.server.metrics import METRIC_NAMES
 
@@ -249,3 +250,15 @@ def test_openapi_document(tiny_server: RunningServer) -> None:
                   "min_tokens", "priority", "stream", "stream_options"):
         assert field in chat_body, field
     assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+
+
+def test_periodic_stats_line(tiny_checkpoint, caplog: pytest.LogCaptureFixture) -> None:
+    server = start_server(tiny_checkpoint, max_num_seqs=2, server_options={"stats_log_interval_s": 0.05})
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with caplog.at_level(logging.INFO, logger="conveyor.server.metrics"):
+            client.completions.create(model=server.model_name, prompt="hello", max_tokens=100, **GREEDY)
+        lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+        assert lines and "Running:" in lines[0] and "KV cache usage:" in lines[0]
+    finally:
+        server.stop()
