@@ -1,5 +1,6 @@
 # A fresh clone needs only `make run` (install + serve the bundled model), `make generate` (install +
-# answer one prompt) or `make test` (install + the test suite).
+# answer one prompt) or `make test` (install + the test suite). ARGS="..." passes flags through:
+# `make run ARGS="--port 8080 --speculative ngram"`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,10 +26,10 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: install
-	$(BIN)/conveyor serve
+	$(BIN)/conveyor serve $(ARGS)
 
 generate: install
-	$(BIN)/conveyor generate "$(PROMPT)"
+	$(BIN)/conveyor generate "$(PROMPT)" $(ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest -q

@@ -31,6 +31,11 @@ class CompletionOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
 
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape, `outs[0].outputs[0].text`: one prompt, one completion (n = 1), this one."""
+        return [self]
+
 
 @dataclass(slots=True)
 class _Pending:

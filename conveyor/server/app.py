@@ -23,7 +23,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.errors import ConveyorError, InvalidRequest, RequestTimeout, RequestTooLarge, ServerBusy, Unauthorized
+from conveyor.errors import (
+    ConveyorError,
+    InvalidRequest,
+    ModelNotFound,
+    RequestTimeout,
+    RequestTooLarge,
+    ServerBusy,
+    Unauthorized,
+)
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -276,6 +284,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def model(model_id: str) -> ModelCard:
         serving.check_model(model_id)
         return ModelCard(id=model_name, created=created, max_model_len=async_engine.info.max_model_len)
+
+    @app.post("/v1/embeddings", include_in_schema=False)   # not an operation: it only says why not
+    async def embeddings() -> Any:
+        """Not served: the model is a text generator, and pooled hidden states of one are poor embeddings."""
+        raise ModelNotFound(f"{model_name!r} is a text-generation model; this server has no embeddings "
+                            f"endpoint (use /v1/completions or /v1/chat/completions)")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_text(body: TokenizeRequest) -> TokenizeResponse:

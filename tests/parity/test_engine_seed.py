@@ -19,3 +19,9 @@ def test_same_engine_seed_same_unseeded_samples(tiny_checkpoint: Path) -> None:
     first = sample(tiny_checkpoint, seed=7)
     assert sample(tiny_checkpoint, seed=7) == first
     assert sample(tiny_checkpoint, seed=8) != first
+
+
+def test_outputs_in_vllm_shape(tiny_checkpoint: Path) -> None:
+    llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1)
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids

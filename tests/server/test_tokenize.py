@@ -58,3 +58,21 @@ def test_tokenize_needs_the_key(keyed_server: RunningServer) -> None:
     assert post(keyed_server, "/detokenize", {"tokens": [1]}).status_code == 401
     ok = post(keyed_server, "/tokenize", {"prompt": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200 and ok.json()["count"] >= 1
+
+
+def test_image_parts_get_one_clear_sentence(tiny_server: RunningServer) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                             {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]
+    for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+                       ("/tokenize", {"messages": messages})):
+        response = post(tiny_server, path, body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert "'image_url' are not supported by this model" in error["message"], error
+        assert "more problems" not in error["message"]
+
+
+def test_embeddings_say_why_not(tiny_server: RunningServer) -> None:
+    response = post(tiny_server, "/v1/embeddings", {"input": "hello", "model": tiny_server.model_name})
+    assert response.status_code == 404
+    assert "embeddings" in response.json()["error"]["message"]
