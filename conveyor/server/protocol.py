@@ -20,7 +20,6 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 from conveyor.errors import InvalidRequest
@@ -181,18 +180,17 @@ class ChatMessage(BaseModel):
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
 
-    @model_validator(mode="before")
+    @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, data: Any) -> Any:
+    def _text_parts_only(cls, content: Any) -> Any:
         """An image or audio part gets one plain sentence, not the union's every complaint."""
-        content = data.get("content") if isinstance(data, dict) else None
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind != "text":
                     raise ValueError(f"content parts of type {kind!r} are not supported by this model, "
                                      f"which reads text only")
-        return data
+        return content
 
     def as_template_input(self) -> dict[str, str | None]:
         """Text parts are joined with newlines, as vLLM does, since templates expect a string."""

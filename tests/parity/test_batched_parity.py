@@ -111,23 +111,27 @@ def test_preemption(prompts, alone) -> None:
     assert_same_tokens(batched, alone, "preempting")
 
 
-def test_requests_join_mid_generation(roomy: LLM, prompts, alone) -> None:
-    engine: LLMEngine = roomy.engine
+def run_with_joins(engine: LLMEngine, prompts: list[str], params: SamplingParams, every: int, joining: int,
+                   prefix: str) -> dict[str, list[int]]:
+    """`joining` requests join every `every` steps while the others run; tokens by request id."""
     tokens: dict[str, list[int]] = {}
-    order = []
     pending = list(enumerate(prompts))
-    finished = 0
-    step = 0
+    finished = step = 0
     while finished < len(prompts):
-        if pending and step % 3 == 0:   # a few requests join every third step
-            for _ in range(3):
+        if step % every == 0:
+            for _ in range(joining):
                 if pending:
                     i, p = pending.pop(0)
-                    order.append(engine.add_request(p, GREEDY, request_id=f"r{i}"))
+                    engine.add_request(p, params, request_id=f"{prefix}{i}")
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             finished += out.finished
         step += 1
+    return tokens
+
+
+def test_requests_join_mid_generation(roomy: LLM, prompts, alone) -> None:
+    tokens = run_with_joins(roomy.engine, prompts, GREEDY, every=3, joining=3, prefix="r")
     for i, a in enumerate(alone):
         assert tokens[f"r{i}"] == a.token_ids, f"prompt {i} differs when joining mid-generation"
 

@@ -5,7 +5,7 @@ in batches with staggered joins, preemption and prefix-cache hits."""
 from __future__ import annotations
 
 import pytest
-from test_batched_parity import assert_same_tokens, make_prompts
+from test_batched_parity import assert_same_tokens, make_prompts, run_with_joins
 
 from conveyor import LLM, SamplingParams
 
@@ -67,20 +67,7 @@ def test_greedy_alone_is_unchanged(spec: LLM, prompts, reference) -> None:
 
 
 def test_staggered_joins_are_unchanged(spec: LLM, prompts, reference) -> None:
-    engine = spec.engine
-    tokens: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    finished = step = 0
-    while finished < len(prompts):
-        if pending and step % 4 == 0:
-            for _ in range(2):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(p, GREEDY, request_id=f"join{i}")
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            finished += out.finished
-        step += 1
+    tokens = run_with_joins(spec.engine, prompts, GREEDY, every=4, joining=2, prefix="join")
     for i, r in enumerate(reference):
         assert tokens[f"join{i}"] == r.token_ids, f"prompt {i} differs when joining mid-generation"
 
