@@ -26,6 +26,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
                             "native bf16 dot products (AVX-512 BF16), float32 elsewhere; half = float16, "
                             "float = float32")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file, or the template itself, instead of the model's own")
     group.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                        help="none: weights as loaded (GGUF dequantized to float); int8: linear layers in int8 "
                             "(blocks of 32) from any checkpoint; gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors")
@@ -70,7 +72,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "quantization": args.quantization, "threads": args.threads, "device": args.device,
+        "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "chat_template": args.chat_template, "quantization": args.quantization, "threads": args.threads, "device": args.device,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,

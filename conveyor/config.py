@@ -49,6 +49,7 @@ class ModelConfig:
     served_model_name: str | None = None
     quantization: str = "none"        # one of QUANTIZATIONS
     seed: int | None = None           # seeds the generator of requests without a seed of their own
+    chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -29,6 +30,16 @@ def pick_chat_template(value: Any) -> str | None:
         return named.get("default") or next(iter(named.values()), None)
     raise ValueError(f"unrecognized chat_template entry: {type(value).__name__}")
 
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template as vLLM takes it: the path of a Jinja file, or the template text itself."""
+    path = Path(value).expanduser()
+    if "{" not in value and "\n" not in value:
+        if not path.is_file():
+            raise ValueError(f"chat template file not found: {value}")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 class _TemplateRaised(jinja2.exceptions.TemplateError):

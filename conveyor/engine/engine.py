@@ -43,7 +43,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.core = EngineCore(config, clock)
-        self.tokenizer: Tokenizer = load_tokenizer(self.core.model_path)
+        self.tokenizer: Tokenizer = load_tokenizer(self.core.model_path, config.model.chat_template)
         self.model_name = config.model.served_model_name or default_model_name(self.core.model_path)
         self.processor = OutputProcessor(self.tokenizer)
 

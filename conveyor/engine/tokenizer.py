@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.chat_template import compile_chat_template, pick_chat_template, render_chat_template
+from conveyor.engine.chat_template import (
+    compile_chat_template,
+    pick_chat_template,
+    read_chat_template,
+    render_chat_template,
+)
 from conveyor.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -136,6 +141,14 @@ class Tokenizer:
         return render_chat_template(self._compiled_template, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
 
+    def use_chat_template(self, text: str) -> None:
+        """Replace the checkpoint's template; ValueError (naming the problem) if it does not parse."""
+        try:
+            self._compiled_template = compile_chat_template(text)
+        except Exception as exc:
+            raise ValueError(f"the chat template does not parse: {exc}") from exc
+        self.chat_template = text
+
     # -- loaders -------------------------------------------------------------------------------
 
     @classmethod
@@ -234,6 +247,13 @@ class IncrementalDetokenizer:
         return delta
 
 
-def load_tokenizer(model_path: Path) -> Tokenizer:
-    """The tokenizer of a checkpoint: a GGUF file's metadata, or a Hugging Face folder's files."""
-    return Tokenizer.from_gguf(model_path) if model_path.is_file() else Tokenizer.from_hf_folder(model_path)
+def load_tokenizer(model_path: Path, chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint: a GGUF file's metadata, or a Hugging Face folder's files.
+
+    `chat_template` (a Jinja file or the template text) replaces the checkpoint's; it is compiled
+    here, so a template that does not parse stops the start-up with a ValueError naming it.
+    """
+    tokenizer = Tokenizer.from_gguf(model_path) if model_path.is_file() else Tokenizer.from_hf_folder(model_path)
+    if chat_template is not None:
+        tokenizer.use_chat_template(read_chat_template(chat_template))
+    return tokenizer

@@ -101,7 +101,7 @@ def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> i
         model_path = resolve_model_path(config.model.model)
         client = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
         try:
-            tokenizer = load_tokenizer(model_path)   # while the core loads the weights
+            tokenizer = load_tokenizer(model_path, config.model.chat_template)   # while the core loads the weights
             client.wait_ready()
             model_name = config.model.served_model_name or default_model_name(model_path)
             uvicorn_server = build_server(client, tokenizer, model_name, server)

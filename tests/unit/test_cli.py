@@ -36,6 +36,7 @@ def test_prefix_caching_and_dtype_spellings() -> None:
         assert engine_options(parse_args(["serve", flag]))["enable_prefix_caching"] is False
     assert engine_options(parse_args(["serve", "--dtype", "half"]))["dtype"] == "float16"
     assert engine_options(parse_args(["serve", "--dtype", "float"]))["dtype"] == "float32"
+    assert engine_options(parse_args(["serve", "--chat-template", "t.jinja"]))["chat_template"] == "t.jinja"
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,45 @@
+"""Engine options a vLLM user reaches for: an engine-wide seed, a chat template of one's own, and the
+outputs in vLLM's shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["the quick brown fox", "hello there", "one two three"]
+
+
+def sample(tiny_checkpoint: Path, seed: int | None) -> list[list[int]]:
+    llm = LLM(str(tiny_checkpoint), seed=seed, kv_cache_memory="32MiB", threads=1)
+    return [o.token_ids for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
+
+
+def test_same_engine_seed_same_unseeded_samples(tiny_checkpoint: Path) -> None:
+    first = sample(tiny_checkpoint, seed=7)
+    assert sample(tiny_checkpoint, seed=7) == first
+    assert sample(tiny_checkpoint, seed=8) != first
+
+
+def test_outputs_in_vllm_shape(tiny_checkpoint: Path) -> None:
+    llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1)
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids
+
+
+def test_chat_template_from_a_string_or_a_file(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    llm = LLM(str(tiny_checkpoint), chat_template=template, kv_cache_memory="32MiB", threads=1)
+    assert llm.tokenizer.apply_chat_template(messages) == "<user>hi"
+    file = tmp_path / "template.jinja"
+    file.write_text(template.replace("<", "["), encoding="utf-8")
+    llm = LLM(str(tiny_checkpoint), chat_template=str(file), kv_cache_memory="32MiB", threads=1)
+    assert llm.tokenizer.apply_chat_template(messages) == "[user>hi"
+    with pytest.raises(ValueError, match="does not parse"):
+        LLM(str(tiny_checkpoint), chat_template="{% for m in messages %}", kv_cache_memory="32MiB", threads=1)
+    with pytest.raises(ValueError, match="not found"):
+        LLM(str(tiny_checkpoint), chat_template=str(tmp_path / "missing.jinja"), kv_cache_memory="32MiB", threads=1)
