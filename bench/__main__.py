@@ -16,7 +16,7 @@ from pathlib import Path
 from bench import limits, report, run
 from bench.client import run_serving
 from bench.metrics import samples, summarize
-from bench.workloads import offline_workload
+from bench.workloads import add_workload_arguments, offline_workload
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -61,11 +61,7 @@ def main() -> None:
     p_serve.add_argument("--label", default="server")
     p_serve.add_argument("--rate", default=None, help="Poisson arrivals in req/s (default: all at once)")
     p_serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
-    p_serve.add_argument("--num-requests", type=int, default=64)
-    p_serve.add_argument("--output-tokens", type=int, default=128)
-    p_serve.add_argument("--min-prompt", type=int, default=100)
-    p_serve.add_argument("--max-prompt", type=int, default=500)
-    p_serve.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p_serve)
     p_serve.add_argument("--logprobs", action="store_true")
     p_serve.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
     p_serve.add_argument("--goodput-tpot-ms", type=float, default=250.0)

@@ -15,7 +15,7 @@ import json
 import time
 
 from bench.metrics import distribution_ms
-from bench.workloads import arrival_times, offline_workload, warmup_workload
+from bench.workloads import add_workload_arguments, arrival_times, offline_workload, warmup_workload
 
 
 def replay(core, requests, times: list[float]) -> dict:
@@ -63,11 +63,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, required=True, help="Poisson arrivals in req/s")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--min-prompt", type=int, default=100)
-    p.add_argument("--max-prompt", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=64)

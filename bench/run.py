@@ -21,7 +21,7 @@ from tqdm import tqdm
 from bench import conveyor_offline, hf_peers, limits, report, servers
 from bench.client import run_serving
 from bench.metrics import samples, summarize
-from bench.workloads import OfflineRequest, offline_workload, warmup_workload
+from bench.workloads import OfflineRequest, add_workload_arguments, offline_workload, warmup_workload
 
 FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q8_0", "llama-server-q4_1",
             "hf-sequential", "hf-static", "hf-generate-batch")
@@ -38,11 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default="all",
                    help=f"comma list of {', '.join(FAMILIES)}; or all, hf, llama-server (default: all)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--min-prompt", type=int, default=100)
-    p.add_argument("--max-prompt", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
     p.add_argument("--concurrency", default="1,16,32,64",
                    help="llama-server --parallel values; every request is sent at once (default: 1,16,32,64)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
@@ -10,6 +11,15 @@ from dataclasses import dataclass
 class OfflineRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that pick `offline_workload`'s requests, the same in every bench that takes them."""
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=100)
+    p.add_argument("--max-prompt", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def offline_workload(num_requests: int = 64, min_prompt: int = 100, max_prompt: int = 500,

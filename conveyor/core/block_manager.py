@@ -110,6 +110,10 @@ class BlockManager:
         revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
         return max(needed, 0) + revived
 
+    def capacity(self, request: Request) -> int:
+        """Tokens the request could hold with every free block added to its own (evicting cached ones)."""
+        return (len(request.block_table) + len(self.free_queue)) * self.block_size
+
     def can_allocate(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
         return self.num_new_blocks(request, num_tokens, cached_block_ids) <= len(self.free_queue)
 

@@ -154,7 +154,7 @@ class Scheduler:
                 return self._plan(rows, preempted)
             if not self._make_room(request, start + num_new, scheduled, preempted):
                 # Never preempt a decode already in the step: take what the free blocks hold and stop here.
-                room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size - start
+                room = self.blocks.capacity(request) - start
                 if room > 0:
                     self._schedule_running(request, min(room, num_new), rows, scheduled)
                 return self._plan(rows, preempted)
@@ -285,9 +285,7 @@ class Scheduler:
             if drafts and granted == 0:
                 # Refused for a poor record: trust creeps back, so the request is tried again later.
                 request.draft_acceptance += 0.02 * (1.0 - request.draft_acceptance)
-            room = (len(request.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size \
-                - row.start_position - 1
-            granted = min(granted, room)
+            granted = min(granted, self.blocks.capacity(request) - row.start_position - 1)
             if granted <= 0:
                 continue
             self.blocks.allocate(request, row.start_position + 1 + granted)
