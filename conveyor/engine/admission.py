@@ -30,6 +30,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, info: Cor
     if bad_stops:
         raise InvalidRequest(f"stop token id {bad_stops[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
                              param="stop_token_ids")
+    bad_biased = [t for t in params.logit_bias or () if t >= info.vocab_size]
+    if bad_biased:
+        raise InvalidRequest(f"logit_bias token id {bad_biased[0]} is outside the vocabulary "
+                             f"(0..{info.vocab_size - 1})", param="logit_bias")
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")

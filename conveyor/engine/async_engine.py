@@ -26,6 +26,7 @@ from conveyor.engine.messages import (
     StepOutputs,
 )
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.structured_output import GrammarCompiler
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
 from conveyor.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class AsyncEngine:
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
+        # Grammars are compiled here first, so that one that does not compile is refused before it starts.
+        self.grammars = GrammarCompiler(lambda: tokenizer, self.info.vocab_size)
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
         self.observers: list[StepObserver] = []

@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -110,13 +111,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 
+def takes_tools(source: str) -> bool:
+    """Whether a template reads the `tools` variable (else tools are shown to the model another way)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.exceptions.TemplateSyntaxError:
+        return False
+
+
 def render_chat_template(template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool,
-                         bos_token: str | None, eos_token: str | None) -> str:
+                         bos_token: str | None, eos_token: str | None, tools: list[dict] | None = None) -> str:
     """Render like transformers' apply_chat_template(tokenize=False); a template's own complaint -> InvalidRequest."""
     # Like transformers: drop None fields, since OpenAI clients send content=None and templates choke on it.
     chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
     try:
-        return template.render(messages=chat, tools=None, documents=None,
+        return template.render(messages=chat, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
     except _TemplateRaised as exc:
         raise InvalidRequest(exc.message or "chat template rejected the messages") from exc

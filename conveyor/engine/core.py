@@ -37,7 +37,8 @@ from conveyor.engine.messages import (
 )
 from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
-from conveyor.errors import ConveyorError
+from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
+from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.runtime.dtype import choose_dtype
@@ -46,6 +47,8 @@ from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
+
+_IDLE_COMPILE_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -117,6 +120,8 @@ class EngineCore:
                                    proposer, spec.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.device)
+        self.structured = StructuredOutputs(grammar_compiler(self.model_path, arch.vocab_size))
+        self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self._live: dict[str, _Live] = {}
@@ -156,12 +161,38 @@ class EngineCore:
             can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
         generator = make_generator(params, self.device)
-        self.scheduler.add(request)   # first: a refused request leaves no state behind
+        if params.structured_outputs is not None:
+            # Scheduled once its grammar is compiled, off the step path; the batch goes on meanwhile.
+            if request.request_id in self._live:
+                raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+            self.structured.submit(request.request_id, params.structured_outputs)
+            self._compiling[request.request_id] = request
+        else:
+            self.scheduler.add(request)   # first: a refused request leaves no state behind
         self._live[request.request_id] = _Live(request, generator)
+
+    def _schedule_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler; a failed compile ends its request."""
+        for request_id, error in self.structured.take_compiled():
+            request = self._compiling.pop(request_id, None)
+            if request is None:
+                continue
+            try:
+                if error is not None:
+                    raise ConveyorError(f"the structured output grammar could not be compiled: {error}")
+                self.scheduler.add(request)
+            except ConveyorError as exc:
+                self.structured.drop(request_id)
+                live = self._live.pop(request_id)
+                self._pending.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
+                                                error=str(exc), metrics=self._metrics(live.request)))
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; its KV blocks are free before the next step. False if unknown."""
-        self._live.pop(request_id, None)
+        live = self._live.pop(request_id, None)
+        self.structured.drop(request_id)
+        if self._compiling.pop(request_id, None) is not None:
+            return live is not None
         return self.scheduler.abort(request_id)
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> TokenDelta | None:
@@ -169,6 +200,8 @@ class EngineCore:
         live = self._live.pop(request_id, None)
         if live is None:
             return None
+        self.structured.drop(request_id)
+        self._compiling.pop(request_id, None)
         self.scheduler.finish(request_id, reason, stop_reason)
         delta = TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason,
                            metrics=self._metrics(live.request))
@@ -176,7 +209,7 @@ class EngineCore:
         return delta
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def handle(self, command: CoreCommand) -> None:
         """Apply one command from the front. A refused add is reported in the next StepOutputs."""
@@ -213,24 +246,30 @@ class EngineCore:
             self._pending = []
             for request_id in list(self._live):
                 live = self._live.pop(request_id)
+                self.structured.drop(request_id)
+                self._compiling.pop(request_id, None)
                 self.scheduler.finish(request_id, FinishReason.ERROR)
                 deltas.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
                                          error=f"engine error: {exc}", metrics=self._metrics(live.request)))
             return self._outputs(deltas, None)
 
     def load(self) -> CoreLoad:
-        return CoreLoad(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.num_used_blocks,
+        return CoreLoad(self.scheduler.num_running, self.scheduler.num_waiting + len(self._compiling),
+                        self.blocks.num_used_blocks,
                         self.blocks.usage)
 
     # ------------------------------------------------------------ one step
 
     def step(self) -> StepOutputs:
         """Schedule, run and sample one step. A step whose plan is empty runs nothing (`step` is None)."""
+        if self._compiling:
+            self._schedule_compiled()
         deltas, self._pending = self._pending, []
         started = self.clock()
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            self.structured.wait(_IDLE_COMPILE_WAIT_S)   # only grammars in flight: no busy spin
             return self._outputs(deltas, None)
         drafts = _DraftTally()
         try:
@@ -272,8 +311,10 @@ class EngineCore:
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
         _, logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
+        masks = {row.request_id: self.structured.masks(row.request_id, row.draft_token_ids)
+                 for row in rows if self.structured.is_constrained(row.request_id)}
         sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
-                              {r.request_id: self._live[r.request_id].generator for r in rows})
+                              {r.request_id: self._live[r.request_id].generator for r in rows}, masks)
         deltas = []
         for request_id, message in sampled.failed.items():   # before update, which then skips them
             deltas += self._fail_request(request_id, message)
@@ -284,11 +325,16 @@ class EngineCore:
             live = self._live.get(update.request_id)
             if live is None:
                 continue
+            if not self.structured.accept(update.request_id, update.new_token_ids):
+                deltas += self._fail_request(update.request_id, "internal error: a sampled token broke the "
+                                             "request's structured output grammar")
+                continue
             entries = logprobs[update.request_id][:len(update.new_token_ids)]
             delta = TokenDelta(update.request_id, update.new_token_ids,
                                entries if all(e is not None for e in entries) else [])
             if update.finish_reason is not None:
                 del self._live[update.request_id]
+                self.structured.drop(update.request_id)
                 delta.finish_reason = update.finish_reason.value
                 delta.stop_reason = update.stop_reason
                 delta.metrics = self._metrics(live.request)
@@ -304,6 +350,7 @@ class EngineCore:
     def _fail_request(self, request_id: str, message: str) -> list[TokenDelta]:
         """End one request with an error its client sees; its blocks are free at once."""
         live = self._live.pop(request_id, None)
+        self.structured.drop(request_id)
         self.scheduler.finish(request_id, FinishReason.ERROR)
         if live is None:
             return []

@@ -22,6 +22,7 @@ from conveyor.engine.admission import check_token_ids
 from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.structured_output import grammar_compiler
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import default_model_name
 from conveyor.sampling_params import SamplingParams
@@ -89,6 +90,9 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         prompt_token_ids = self.encode_prompt(prompt)
+        if params.structured_outputs is not None:   # refused here if it does not compile; the core's is a cache hit
+            grammar_compiler(self.model_path, self.core.info.vocab_size,
+                             lambda: self.tokenizer).compile(params.structured_outputs)
         self.core.add(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
                                   self.clock() if arrival_s is None else arrival_s, priority))
         self.processor.add(request_id, prompt_token_ids, params)  # after the core took it

@@ -33,16 +33,20 @@ class SampledRows:
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRow],
-                requests: Mapping[str, Request], generators: Mapping[str, torch.Generator | None]) -> SampledRows:
-    """logits: (sum of rows' num_logits, V), in row order."""
+                requests: Mapping[str, Request], generators: Mapping[str, torch.Generator | None],
+                allowed: Mapping[str, torch.Tensor] | None = None) -> SampledRows:
+    """logits: (sum of rows' num_logits, V), in row order. allowed: for constrained requests, the
+    packed bitmask of allowed tokens at each of their row's positions, (num_logits, words) int32."""
     sampling_rows: list[SamplingRow] = []
     for row in rows:
         request = requests[row.request_id]
         drafts = row.draft_token_ids
+        masks = allowed.get(row.request_id) if allowed else None
         for i in range(row.num_logits):
             history = request.output_token_ids + drafts[:i] if i else request.output_token_ids
             sampling_rows.append(SamplingRow(request.params, request.prompt_token_ids, history,
-                                             generators[row.request_id], request.eos_token_ids))
+                                             generators[row.request_id], request.eos_token_ids,
+                                             None if masks is None else masks[i]))
     states = {id(g): (g, g.get_state()) for g in generators.values() if g is not None}
     token_ids, logprobs, failed = _sample(sampler, logits, sampling_rows, rows, states)
     out = SampledRows([], [], failed)

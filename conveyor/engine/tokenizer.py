@@ -23,6 +23,7 @@ from conveyor.engine.chat_template import (
     pick_chat_template,
     read_chat_template,
     render_chat_template,
+    takes_tools,
 )
 from conveyor.errors import InvalidRequest
 
@@ -128,7 +129,12 @@ class Tokenizer:
 
     # -- chat template -------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        return self.chat_template is not None and takes_tools(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render `messages` with the checkpoint's template, as transformers' apply_chat_template(tokenize=False).
 
         Raises `InvalidRequest` (a `ValueError`) when there is no template or the template rejects
@@ -139,7 +145,7 @@ class Tokenizer:
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
         return render_chat_template(self._compiled_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+                                    bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
     def use_chat_template(self, text: str) -> None:
         """Replace the checkpoint's template; ValueError (naming the problem) if it does not parse."""

@@ -2,9 +2,9 @@
 temperature, top-k / top-p / min-p, per-request seeds and logprobs.
 
 Order of operations (vLLM's):
-    penalties (repetition over prompt+output; frequency, presence over output)
+    penalties (repetition over prompt+output; frequency, presence over output) -> logit_bias
     -> logprobs snapshot (log_softmax of the penalised logits)
-    -> min_tokens mask (eos and stop_token_ids -> -inf)
+    -> min_tokens mask (eos and stop_token_ids -> -inf) -> the grammar's allowed tokens
     -> greedy rows: argmax
     -> random rows: / temperature -> min_p -> top_k -> top_p -> draw argmax(probs / Exp(1) noise)
 
@@ -42,6 +42,7 @@ class SamplingRow:
     output_token_ids: list[int]          # tokens generated so far (penalties, min_tokens)
     generator: torch.Generator | None    # the request's own generator when params.seed is set, else None
     eos_token_ids: frozenset[int]        # blocked while len(output_token_ids) < params.min_tokens
+    allowed_tokens: torch.Tensor | None = None   # structured outputs: packed bitmask (words,) int32, bit t = token t
 
 
 @dataclass(slots=True)
@@ -119,12 +120,12 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.to(device=self.device, dtype=torch.float32)                       # (S, V)
-        logits = apply_penalties(logits, rows)
+        logits = _apply_logit_bias(apply_penalties(logits, rows), rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Reported logprobs are the model's distribution after penalties, before min_tokens and temperature.
         raw_logprobs = (logits.index_select(0, self._index(logprob_rows)).log_softmax(dim=-1)
                         if logprob_rows else None)                                           # (L, V)
-        logits = _block_stop_tokens(logits, rows)
+        logits = _apply_allowed_tokens(_block_stop_tokens(logits, rows), logits, rows)
         token_ids = self._choose(logits, rows)                                               # (S,)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
@@ -195,6 +196,53 @@ def _block_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     index = (torch.tensor(row_ids, dtype=torch.long, device=logits.device),
              torch.tensor(token_ids, dtype=torch.long, device=logits.device))
     return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits, all rows in one scatter."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            if token_id < vocab_size:
+                row_ids.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not row_ids:
+        return logits
+    index = (torch.tensor(row_ids, dtype=torch.long, device=logits.device),
+             torch.tensor(token_ids, dtype=torch.long, device=logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, words) int32, bit j of word w = token 32 * w + j -> (R, vocab_size) bool."""
+    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(packed.device)) & 1                       # (R, words, 32)
+    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, unblocked: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for tokens a row's grammar does not allow, all constrained rows in one operation.
+
+    When min_tokens blocked every token the grammar allows (the grammar is at its end, where only
+    eos is left) the grammar wins: `unblocked` (the logits before the min_tokens mask) is used.
+    """
+    constrained = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+    if not constrained:
+        return logits
+    index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+    allowed = unpack_bitmask(torch.stack([rows[i].allowed_tokens for i in constrained]).to(logits.device),
+                             logits.shape[1])                                                 # (C, V)
+    sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    dead = sub.isneginf().all(dim=-1, keepdim=True)                                           # (C, 1)
+    if bool(dead.any()):
+        sub = torch.where(dead, unblocked.index_select(0, index).masked_fill(~allowed, float("-inf")), sub)
+    return logits.index_copy(0, index, sub)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,9 @@ from conveyor.errors import (
     Unauthorized,
 )
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.protocol import (
-    ChatCompletionRequest,
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,

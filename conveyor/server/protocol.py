@@ -1,11 +1,12 @@
-"""Pydantic schemas of the OpenAI-compatible API: requests, responses, stream chunks and the error body.
+"""Pydantic schemas of the OpenAI-compatible API's requests (responses.py has the answers).
 
 Requests are validated strictly (a bool or a float is not an integer, "1" is not a number, text
 must be valid Unicode) and every sampling field declares its range here, so the OpenAPI document
 states it and a bad value is a 400 naming the field. `SamplingParams` checks the same ranges for
 the offline API, plus those that span fields (min_tokens <= max_tokens); checks that need the
-model (token ids inside the vocabulary, the context length) are admission's. Unknown request
-fields are ignored, as OpenAI and vLLM do.
+model (token ids inside the vocabulary, the context length) are admission's. A request field
+conveyor does not act on is a 400 naming it, never silently ignored: OpenAI fields it does not
+support say why, unknown fields say so (the README has the table of every field).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
 )
 
 from conveyor.errors import InvalidRequest
@@ -32,15 +31,32 @@ from conveyor.sampling_params import (
     MIN_REPETITION_PENALTY,
     MIN_SEED,
     SamplingParams,
+    StructuredOutputsParams,
 )
-
-FinishReason = Literal["stop", "length"]
-
 
 # ---------------------------------------------------------------------------------------------
 # Requests
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+# Top-level request bodies keep unknown fields so that each can be refused by name (check_fields).
+_BODY_CONFIG = ConfigDict(extra="allow", strict=True)
+
+# OpenAI (and vLLM) fields conveyor does not support, why, and the values that change nothing (null always).
+_UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[object, ...]]] = {
+    "audio": ("audio output is not supported: this model writes text only", ()),
+    "modalities": ("only the text modality is supported", (["text"],)),
+    "prediction": ("predicted outputs are not supported (--speculative ngram drafts from the prompt instead)",
+                   ()),
+    "store": ("stored completions are not supported", (False,)),
+    "metadata": ("metadata is only kept with stored completions, which are not supported", ()),
+    "reasoning_effort": ("this model does not reason before answering", ()),
+    "verbosity": ("this model has no verbosity setting", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "functions": ("the deprecated functions field is not supported: send tools instead", ()),
+    "function_call": ("the deprecated function_call field is not supported: send tool_choice instead", ()),
+    "service_tier": ("there is one service tier: send auto or default", ("auto", "default")),
+    "guided_decoding_backend": ("xgrammar is the only structured output backend", ("xgrammar",)),
+}
 MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 
 
@@ -64,10 +80,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs object: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints, named as OpenAI and vLLM name them, with their ranges."""
 
-    model_config = _REQUEST_CONFIG
+    model_config = _BODY_CONFIG
 
     model: Text | None = Field(None, description="the served model name; may be omitted")
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -94,7 +139,27 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="only 1 is supported")
-    user: Text | None = None
+    user: Text | None = Field(None, description="an end-user id; as at OpenAI, it does not change the output")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100], added to its logit")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    prompt_cache_key: Text | None = Field(None, description="accepted: prefix caching is automatic, by content")
+
+    def check_fields(self) -> None:
+        """400 for a field conveyor would otherwise ignore: an unsupported OpenAI field, or an unknown one."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED_FIELDS:
+                reason, accepted = _UNSUPPORTED_FIELDS[name]
+                if value is not None and value not in accepted:
+                    raise InvalidRequest(f"{name}: {reason}", param=name)
+            elif value is not None:
+                raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
+                                     f"every request field)", param=name)
 
     @field_validator("n")
     @classmethod
@@ -107,8 +172,56 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's one output constraint and the field it came from; 400 if it names several."""
+        found: list[tuple[StructuredOutputsParams, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequest("response_format of type json_schema needs json_schema.schema",
+                                     param="response_format")
+            found.append((StructuredOutputsParams(json=fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict)),
+                          "response_format"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((_structured(name, **{kind: value}), name))
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                      "json_object": bool(so.json_object), "structural_tag": so.structural_tag}
+            found.append((_structured("structured_outputs", **fields), "structured_outputs"))
+        if len(found) > 1:
+            raise InvalidRequest(f"only one output constraint per request; got {', '.join(n for _, n in found)}",
+                                 param=found[1][1])
+        return found[0] if found else (None, "structured_outputs")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequest(f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Map to SamplingParams; a null field means the default. Raises InvalidRequest naming the field."""
+        self.check_fields()
+        structured, param = self.structured_output()
+        try:
+            return self._make_params(max_tokens, logprobs, structured)
+        except InvalidRequest as exc:
+            if exc.param == "structured_outputs":
+                exc.param = param
+            raise
+
+    def _make_params(self, max_tokens: int | None, logprobs: int | None,
+                     structured: StructuredOutputsParams | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_default(self.temperature, 1.0),
@@ -126,7 +239,17 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
+            structured_outputs=structured,
         )
+
+
+def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequest as exc:
+        exc.param = param
+        raise
 
 
 def _default(value: float | int | None, default: float | int) -> float | int:
@@ -173,12 +296,31 @@ class TextContentPart(BaseModel):
     text: Text
 
 
+class FunctionCallIn(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: Text
+    arguments: Text = Field(description="the arguments as a JSON text, as OpenAI sends them")
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant turn's tool call, sent back with the conversation."""
+
+    model_config = _REQUEST_CONFIG
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -192,15 +334,41 @@ class ChatMessage(BaseModel):
                                      f"which reads text only")
         return content
 
-    def as_template_input(self) -> dict[str, str | None]:
+    @property
+    def text(self) -> str | None:
         """Text parts are joined with newlines, as vLLM does, since templates expect a string."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message: dict[str, str | None] = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; omitted means no arguments")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -211,8 +379,38 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
+
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
+        """Besides the constraint fields, tool_choice required or a named function is a grammar."""
+        from conveyor.server.chat_tools import tool_choice_constraint
+
+        constraint, param = super().structured_output()
+        forced = tool_choice_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is None:
+            return constraint, param
+        if constraint is not None:
+            raise InvalidRequest(f"tool_choice {self.effective_tool_choice!r} cannot be combined with {param}",
+                                 param="tool_choice")
+        return forced, "tool_choice"
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """none, auto, required, or the forced function's name."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def sampling_params(self) -> SamplingParams:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                tool.function.name for tool in self.tools or []}:
+            raise InvalidRequest(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                 f"which is not in tools", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -225,139 +423,3 @@ class ChatCompletionRequest(_SamplingRequest):
             if exc.param == "max_tokens" and self.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionChunk(BaseModel):
-    """One server-sent event of a streamed completion; the usage-only last chunk has no choices."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class ChatDelta(BaseModel):
-    """Only the fields a chunk carries: the role in the first chunk, then content."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "conveyor"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"

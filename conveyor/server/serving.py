@@ -24,25 +24,29 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.protocol import (
+from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
+from conveyor.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessage,
     ChatLogprobs,
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
+    FunctionCallDelta,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
+from conveyor.server.chat_tools import template_input
+from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 from conveyor.server.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -120,18 +124,26 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens)
 
     async def _render_chat(self, body: ChatCompletionRequest) -> str:
-        return await self.render_messages(body.messages, body.add_generation_prompt)
+        return await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
+                                          body.effective_tool_choice)
 
-    async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The messages through the model's chat template, size-checked before and after."""
-        messages = [m.as_template_input() for m in chat_messages]
+    async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool,
+                              tools: list[ToolDefinition] | None = None, tool_choice: str = "none") -> str:
+        """The messages (and tools) through the model's chat template, size-checked before and after."""
+        messages, template_tools = template_input(chat_messages, tools, tool_choice,
+                                                  self.tokenizer.template_takes_tools)
         num_chars = sum(len(m["content"] or "") for m in messages)
         self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages,
-                                   add_generation_prompt=add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt, tools=template_tools)
         text = await asyncio.to_thread(render) if num_chars > _THREAD_TOKENIZE_CHARS else render()
         self.check_prompt_chars(len(text), "messages")
         return text
+
+    async def compile_grammar(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar off the event loop (cached by schema); 400 naming why it does not compile."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs, param)
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                priority: int) -> PromptGroup:
@@ -171,6 +183,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
+        await self.compile_grammar(params, body.structured_output()[1])
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
@@ -237,6 +250,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
+        await self.compile_grammar(params, body.structured_output()[1])
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:
@@ -256,12 +270,18 @@ class OpenAIServing:
             return self._disconnected(group)
         return ChatCompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                                finish_reason=c.finish_reason,
-                                logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None)
-                     for i, c in enumerate(choices)],
+            choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
         )
+
+    def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest) -> ChatChoice:
+        content: str | None = "".join(choice.text)
+        calls: list[ToolCall] = []
+        if body.effective_tool_choice != "none":
+            content, calls = parse_tool_calls(content or "")
+        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls)),
+                          finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
+                          logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                            body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -273,15 +293,26 @@ class OpenAIServing:
         yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(group.num_prompts)])
         num_tokens = 0
+        parsers = ([ToolCallStreamParser() for _ in range(group.num_prompts)]
+                   if body.effective_tool_choice != "none" else None)
         try:
             async for index, output in group.outputs():
                 num_tokens += len(output.new_token_ids)
-                if not (output.new_text or output.finished or (body.logprobs and output.new_logprobs)):
+                text, calls = output.new_text, []
+                if parsers is not None:
+                    text, calls = parsers[index].feed(text)
+                    if output.finished:
+                        text += parsers[index].finish()
+                if not (text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
+                first = parsers[index].num_calls - len(calls) if parsers is not None else 0
+                finish = (_finish_reason(output.finish_reason, parsers is not None and parsers[index].num_calls > 0)
+                          if output.finished else None)
                 yield chunk([ChatStreamChoice(
-                    index=index, delta=ChatDelta(content=output.new_text),
+                    index=index, delta=ChatDelta(content=text if text or not calls else None,
+                                                 tool_calls=_tool_call_deltas(calls, first) or None),
                     logprobs=self._chat_logprobs(output.new_logprobs) if body.logprobs else None,
-                    finish_reason=output.finish_reason if output.finished else None)])
+                    finish_reason=finish)])
         except ConveyorError as exc:
             yield error_event(exc)
             yield DONE_EVENT
@@ -301,3 +332,20 @@ class OpenAIServing:
             content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
                                             top_logprobs=[top(i, lp) for i, lp in entry.top]))
         return ChatLogprobs(content=content)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI says tool_calls when the model ended its turn by calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+            for call in calls]
+
+
+def _tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
+    """A call is complete when it is parsed, so each goes out whole in one delta."""
+    return [ToolCallDelta(index=first_index + i, id=call.id, type="function",
+                          function=FunctionCallDelta(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(calls)]

@@ -23,7 +23,7 @@ from conveyor.engine.async_engine import AsyncEngine, OutputQueue
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.protocol import ErrorInfo, ErrorResponse
+from conveyor.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

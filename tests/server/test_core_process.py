@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,11 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
         whole = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
         text = whole["choices"][0]["text"]
         assert whole["usage"]["completion_tokens"] == 24 and len(whole["choices"][0]["logprobs"]["tokens"]) == 24
+        # A grammar is compiled by the front, then again by the core on its worker thread.
+        pattern = "[a-c]{3}-[0-9]"
+        constrained = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "prompt": "hello", "max_tokens": 10, "temperature": 0, "guided_regex": pattern}).json()
+        assert re.fullmatch(pattern, constrained["choices"][0]["text"]), constrained
         # A stop string found by the front ends the stream there, and the core frees the request.
         stop = text[len(text) // 2:len(text) // 2 + 3]
         with httpx.stream("POST", f"{base}/v1/completions", timeout=30,

@@ -63,9 +63,13 @@ def test_invalid_field_names_param(tiny_server: RunningServer, path: str, body: 
     assert_error(post(tiny_server, path, json=body), 400, "invalid_request_error", param=param)
 
 
-def test_unknown_fields_are_ignored(tiny_server: RunningServer) -> None:
+def test_unknown_fields_are_refused_by_name_and_null_ones_pass(tiny_server: RunningServer) -> None:
+    """A field the server would ignore is a 400: the client's code is wrong, and it is told so."""
     response = post(tiny_server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logit_bias": {},
                                                           "some_future_field": [1]})
+    assert_error(response, 400, "invalid_request_error", param="some_future_field")
+    response = post(tiny_server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logit_bias": {},
+                                                          "some_future_field": None})
     assert response.status_code == 200, response.text
 
 

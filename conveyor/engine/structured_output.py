@@ -1,0 +1,184 @@
+"""Structured outputs: grammars compiled with xgrammar, and the matchers that mask a step's logits.
+
+The front compiles a request's grammar before admitting it (a grammar that does not compile is a
+400 naming why). The core compiles it again on a worker thread, never on the step path: both go
+through one `GrammarCompiler` per model and process, whose cache makes a repeated schema free, so
+in one process the second compile is a cache hit. A constrained request waits for its grammar
+outside the scheduler while the batch runs on. Each step, the core fills one packed bitmask row per
+logits position of a constrained row (a row with draft tokens gets one per position, the matcher
+walked through the drafts and rolled back), and the sampler applies them all in one operation.
+
+xgrammar is an optional dependency (`pip install 'conveyor[structured]'`), imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conveyor.errors import InvalidRequest
+from conveyor.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from conveyor.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequest("structured outputs need xgrammar, which is not installed on this server "
+                             "(pip install 'conveyor[structured]')", param="structured_outputs") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one vocabulary, built on first use; thread-safe, with xgrammar's cache."""
+
+    def __init__(self, make_tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+        self._make_tokenizer = make_tokenizer
+        self.vocab_size = vocab_size                # the model's logits width, may exceed the tokenizer's
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                from transformers import PreTrainedTokenizerFast
+
+                tokenizer = self._make_tokenizer()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend), vocab_size=self.vocab_size,
+                    stop_token_ids=sorted(tokenizer.eos_token_ids))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> Any:
+        """The CompiledGrammar of `spec`; InvalidRequest (naming `param`) when it does not compile."""
+        compiler = self._get()
+        try:
+            if spec.json_object or spec.json is not None:
+                schema = (_ANY_OBJECT if spec.json_object else
+                          spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+                # Compact JSON: a small model left free whitespace pretty-prints until its budget runs out.
+                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
+                return compiler.compile_grammar(f"root ::= {literals}")
+            if spec.grammar is not None:
+                return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_structural_tag(spec.structural_tag)
+        except Exception as exc:   # xgrammar raises RuntimeError / ValueError / its own types, with the reason
+            kind = spec.key.split(":", 1)[0]
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidRequest(f"the {kind} constraint could not be compiled: {reason}", param=param) from None
+
+
+_compilers: dict[tuple[str, int], GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def grammar_compiler(model_path: Path, vocab_size: int,
+                     make_tokenizer: Callable[[], Tokenizer] | None = None) -> GrammarCompiler:
+    """The process's compiler for this model: the front and an in-process core share one cache."""
+    key = (str(model_path), vocab_size)
+    with _compilers_lock:
+        compiler = _compilers.get(key)
+        if compiler is None:
+            if make_tokenizer is None:
+                from conveyor.engine.tokenizer import load_tokenizer
+
+                def make_tokenizer() -> Tokenizer:
+                    return load_tokenizer(model_path)
+            compiler = _compilers[key] = GrammarCompiler(make_tokenizer, vocab_size)
+    return compiler
+
+
+class StructuredOutputs:
+    """The core's side: compiles on a worker thread, then owns one matcher per constrained request."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiling: dict[str, Future[Any]] = {}
+        self._matchers: dict[str, Any] = {}
+
+    def submit(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-grammar")
+        self._compiling[request_id] = self._executor.submit(self.compiler.compile, spec)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def take_compiled(self) -> list[tuple[str, str | None]]:
+        """Requests whose grammar is done: (request id, None) with a matcher ready, or (id, the error)."""
+        done = [(request_id, future) for request_id, future in self._compiling.items() if future.done()]
+        result: list[tuple[str, str | None]] = []
+        for request_id, future in done:
+            del self._compiling[request_id]
+            try:
+                self._matchers[request_id] = _xgrammar().GrammarMatcher(future.result())
+            except Exception as exc:
+                result.append((request_id, str(exc)))
+            else:
+                result.append((request_id, None))
+        return result
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a compile finishes (or timeout_s): an idle core has nothing else to do."""
+        if self._compiling:
+            wait_futures(list(self._compiling.values()), timeout=timeout_s, return_when="FIRST_COMPLETED")
+
+    def drop(self, request_id: str) -> None:
+        future = self._compiling.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+        self._matchers.pop(request_id, None)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def masks(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor:
+        """(len(drafts) + 1, words) int32: the allowed tokens at each logits position of the row.
+
+        Position i is masked as if drafts 1..i had been emitted. Past the first draft the grammar
+        refuses, positions keep the last mask: that draft is rejected, so nothing after it is emitted.
+        """
+        xgr = _xgrammar()
+        matcher = self._matchers[request_id]
+        bitmask = xgr.allocate_token_bitmask(len(draft_token_ids) + 1, self.compiler.vocab_size)
+        walked = 0
+        for i in range(len(draft_token_ids) + 1):
+            if walked < i:
+                bitmask[i] = bitmask[i - 1]
+                continue
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i < len(draft_token_ids) and not matcher.is_terminated() and matcher.accept_token(draft_token_ids[i]):
+                walked += 1
+        if walked:
+            matcher.rollback(walked)
+        return bitmask
+
+    def accept(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the request's matcher by its emitted tokens; False if the grammar refuses one."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return True
+        return all(matcher.is_terminated() or matcher.accept_token(t) for t in token_ids)

@@ -1,0 +1,107 @@
+"""Tool calling on chat completions: what the model is shown, and what tool_choice forces.
+
+The model calls a tool in the Hermes / Qwen form, one block per call:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A chat template that takes `tools` gets them as it expects; for one that does not, the tools go
+into a system block (DEFAULT_TOOLS_PROMPT, appended to the first system message or put before the
+conversation), earlier tool calls are written back into their assistant turns in the same form,
+and tool results into `<tool_response>` blocks. `required` and a named function are enforced with
+an xgrammar structural tag whose arguments follow each function's JSON schema; `auto` is parsed
+from the output (tool_calls.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from conveyor.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from conveyor.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+
+DEFAULT_TOOLS_PROMPT = (
+    "You may call one or more functions to answer the user. The functions are described in JSON "
+    "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, reply with a JSON object holding its name and arguments inside "
+    "<tool_call></tool_call> tags, one block per call:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>'
+)
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _tool_dicts(tools: list[ToolDefinition]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": tool.function.model_dump(exclude_none=True)} for tool in tools]
+
+
+def _call_block(name: str, arguments: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _arguments(text: str) -> Any:
+    """Templates expect arguments as an object; a text that is not JSON is passed on as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | None, tool_choice: str,
+                   template_takes_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template. tool_choice 'none' shows no tools, as the model may not call one."""
+    shown = _tool_dicts(tools) if tools and tool_choice != "none" else None
+    chat: list[dict[str, Any]] = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.text}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            if template_takes_tools:
+                entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                        "function": {"name": call.function.name,
+                                                     "arguments": _arguments(call.function.arguments)}}
+                                       for call in message.tool_calls]
+            else:
+                blocks = [_call_block(call.function.name, _arguments(call.function.arguments))
+                          for call in message.tool_calls]
+                entry["content"] = "\n".join(([message.text] if message.text else []) + blocks)
+        if message.role == "tool" and not template_takes_tools:
+            entry["content"] = f"<tool_response>\n{message.text or ''}\n</tool_response>"
+        chat.append(entry)
+    if shown is None or template_takes_tools:
+        return chat, shown
+    block = DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in shown))
+    if chat and chat[0]["role"] in ("system", "developer"):
+        chat[0] = {**chat[0], "content": f"{chat[0]['content'] or ''}\n\n{block}".lstrip()}
+    else:
+        chat.insert(0, {"role": "system", "content": block})
+    return chat, None
+
+
+def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
+                           parallel_tool_calls: bool) -> StructuredOutputsParams | None:
+    """The grammar that `required` or a named function puts on the output; None for auto and none."""
+    if not tools or tool_choice in (None, "none", "auto"):
+        return None
+
+    def tag(tool: ToolDefinition) -> dict[str, Any]:
+        function = tool.function
+        return {"type": "tag",
+                "begin": "<tool_call>\n" + json.dumps({"name": function.name})[:-1] + ', "arguments": ',
+                "content": {"type": "json_schema", "json_schema": function.parameters or _NO_ARGUMENTS},
+                "end": "}\n</tool_call>"}
+
+    if isinstance(tool_choice, str):   # required: one call or more (one with parallel_tool_calls false)
+        fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": ["<tool_call>"],
+                               "tags": [tag(tool) for tool in tools], "at_least_one": True,
+                               "stop_after_first": not parallel_tool_calls}
+    else:
+        [forced] = [tool for tool in tools if tool.function.name == tool_choice.function.name]
+        fmt = tag(forced)
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
