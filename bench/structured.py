@@ -25,8 +25,11 @@ TOPICS = ("cities of Europe", "rivers", "famous painters", "kitchen tools", "pla
           "chemical elements", "trees", "car makers", "poets")
 
 
-def records_schema(field: str = "name") -> dict:
-    record = {"type": "object", "properties": {field: {"type": "string", "maxLength": 16},
+def records_schema(field: str = "name", max_length: int | None = None) -> dict:
+    # maxLength is off by default: xgrammar fills a bounded string's mask by checking its tokens one
+    # by one (up to ms a token at a 49k vocabulary); --max-length measures that case.
+    name = {"type": "string"} if max_length is None else {"type": "string", "maxLength": max_length}
+    record = {"type": "object", "properties": {field: name,
                                                "score": {"type": "integer", "minimum": 0, "maximum": 100},
                                                "tags": {"type": "array", "maxItems": 2,
                                                         "items": {"type": "string", "enum": ["a", "b", "c"]}}},
@@ -39,13 +42,13 @@ def prompts(count: int) -> list[list[dict]]:
                                          f"a score from 0 to 100 and tags."}] for i in range(count)]
 
 
-def throughput(llm, requests, output_tokens: int, constrained: bool) -> dict:
+def throughput(llm, requests, output_tokens: int, constrained: bool, max_length: int | None) -> dict:
     from conveyor import SamplingParams
     from conveyor.sampling_params import StructuredOutputsParams
 
     free = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     schema = SamplingParams(temperature=0, max_tokens=output_tokens,
-                            structured_outputs=StructuredOutputsParams(json=records_schema()))
+                            structured_outputs=StructuredOutputsParams(json=records_schema(max_length=max_length)))
     params = [schema if constrained and i % 2 == 0 else free for i in range(len(requests))]
     started = time.perf_counter()
     outputs = llm.chat(requests, params, use_tqdm=False)
@@ -85,6 +88,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--max-length", type=int, default=None, help="maxLength of the records' name string")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repetitions", type=int, default=2, help="runs of each side, alternating; the best counts")
@@ -104,7 +108,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"free": [], "half_schema": []}
     for rep in range(args.repetitions):
         for side in (("free", "half_schema") if rep % 2 == 0 else ("half_schema", "free")):
-            runs[side].append(throughput(llm, requests, args.output_tokens, side == "half_schema"))
+            runs[side].append(throughput(llm, requests, args.output_tokens, side == "half_schema", args.max_length))
     best = {side: max(figures, key=lambda f: f["output_tokens_per_s"]) for side, figures in runs.items()}
     ratio = best["half_schema"]["output_tokens_per_s"] / best["free"]["output_tokens_per_s"]
     print(f"{args.num_requests} requests: free {best['free']['output_tokens_per_s']:.1f} tok/s, half with a schema "
@@ -117,7 +121,7 @@ def main() -> None:
     out = args.out_dir / f"structured-{stamp}.json"
     report.write_json(out, {"command": "python -m bench.structured " + " ".join(sys.argv[1:]),
                             "machine": report.machine(), "versions": report.versions(None), "options": options,
-                            "output_tokens": args.output_tokens,
+                            "output_tokens": args.output_tokens, "max_length": args.max_length,
                             "throughput": {"runs": runs, "ratio": ratio}, "first_token": first})
     print(f"JSON: {out}")
 

@@ -66,6 +66,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="shortest tail of the context looked up for a guess")
     group.add_argument("--ngram-prompt-lookup-max", type=int, default=SpeculativeConfig.ngram_prompt_lookup_max,
                        help="longest tail looked up (tried first)")
+    group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
+                       help="a tenant's share of the batch relative to others (default 1), repeatable; the tenant "
+                            "is a request's X-Tenant header or OpenAI user field")
+    group.add_argument("--max-running-per-tenant", type=int, default=None,
+                       help="most requests of one tenant in the batch at once (default: no cap)")
+    group.add_argument("--max-priority-preemptions", type=int, default=None,
+                       help="times a running request may give its place to a better-priority one (default 3)")
     group.add_argument("--log-level", default=None,
                        help="DEBUG, INFO, WARNING (default: WARNING for generate, INFO for serve)")
 
@@ -80,7 +87,22 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
         "ngram_prompt_lookup_min": args.ngram_prompt_lookup_min, "ngram_prompt_lookup_max": args.ngram_prompt_lookup_max,
+        "tenant_weights": tenant_weights(args.tenant_weight),
+        **_given(args, "max_running_per_tenant", "max_priority_preemptions"),
     }
+
+
+def tenant_weights(flags: list[str]) -> tuple[tuple[str, float], ...]:
+    weights = []
+    for flag in flags:
+        tenant, sep, weight = flag.rpartition("=")
+        try:
+            weights.append((tenant, float(weight)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"conveyor: error: --tenant-weight takes TENANT=WEIGHT, got {flag!r}")
+    return tuple(weights)
 
 
 def _given(args: argparse.Namespace, *names: str) -> dict:
@@ -122,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
                             "with Retry-After, before any response starts; 0 = no queue: accept only what can "
                             "start now (default: no limit)")
+    serve.add_argument("--max-requests-per-tenant", type=int, default=None,
+                       help="requests one tenant may have in flight (running or waiting); past it a 429 with "
+                            "Retry-After (default: no limit)")
     serve.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
@@ -147,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the engine core on a thread of the server process instead of a process of its own")
     _add_engine_flags(serve)
     serve.set_defaults(subparser=serve)
+
+    batch = sub.add_parser("run-batch", help="run a file of OpenAI batch requests (JSONL), writing results as they "
+                                             "finish; rerun to resume")
+    batch.add_argument("-i", "--input-file", required=True, help="OpenAI batch input: one request per line")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="results, one line per request (appended; custom_ids already there are skipped)")
+    batch.add_argument("--max-concurrent-requests", type=int, default=None,
+                       help="requests in flight at once (default: twice --max-num-seqs)")
+    _add_engine_flags(batch)
+    batch.set_defaults(subparser=batch)
     return parser
 
 
@@ -220,8 +255,21 @@ def serve(args: argparse.Namespace) -> int:
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
                           enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
-                          core_process=args.core_process)
+                          core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant)
     return run_server(config, server)
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from conveyor.config import EngineConfig
+    from conveyor.server.run_batch import run_batch
+
+    input_path = Path(args.input_file)
+    if not input_path.is_file():
+        raise ValueError(f"input file not found: {input_path}")
+    return run_batch(EngineConfig.from_options(**engine_options(args)), input_path, Path(args.output_file),
+                     args.max_concurrent_requests)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -245,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             _exit_now(serve(args))
+        if args.command == "run-batch":
+            return run_batch_command(args)
     except (ConveyorError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -113,6 +113,12 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None  # None = unbounded
     target_itl_ms: float | None = _BALANCED.target_itl_ms
     min_prefill_chunk: int = _BALANCED.min_prefill_chunk
+    # Fair sharing: a tenant's share of admissions is proportional to its weight (default 1); a
+    # tenant runs at most max_running_per_tenant requests at once (None = no cap).
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    max_running_per_tenant: int | None = None
+    # A running request may be preempted for a better-priority waiting one at most this many times.
+    max_priority_preemptions: int = 3
 
     @classmethod
     def from_preset(cls, batch_preset: str, **overrides: Any) -> SchedulerConfig:
@@ -132,6 +138,17 @@ class SchedulerConfig:
             raise ValueError(f"target_itl_ms must be a positive number of milliseconds or None (off), "
                              f"got {self.target_itl_ms!r}")
         _positive("max_model_len", self.max_model_len, allow_none=True)
+        _positive("max_running_per_tenant", self.max_running_per_tenant, allow_none=True)
+        if isinstance(self.tenant_weights, dict):
+            object.__setattr__(self, "tenant_weights", tuple(self.tenant_weights.items()))
+        for tenant, weight in self.tenant_weights:
+            if not isinstance(tenant, str) or isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                    or not 0 < weight < float("inf"):
+                raise ValueError(f"tenant weights are positive numbers, got {tenant!r}: {weight!r}")
+        if isinstance(self.max_priority_preemptions, bool) or not isinstance(self.max_priority_preemptions, int) \
+                or self.max_priority_preemptions < 0:
+            raise ValueError(f"max_priority_preemptions must be a non-negative integer, "
+                             f"got {self.max_priority_preemptions!r}")
         if self.max_waiting_requests is not None and (
             not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0
         ):
@@ -203,6 +220,7 @@ class ServerConfig:
     port: int = 8000                          # 0 = any free port
     api_key: str | None = None                # None = no key required
     max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
+    max_requests_per_tenant: int | None = None  # in flight (running or waiting) per tenant; past it 429; None = no limit
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
     # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.

@@ -9,6 +9,11 @@ covers chunked prefill, decode and resume.
     [r0 r1 ... rk]  --decode/chunk-->  step  <--admit while budgets and blocks allow-- [w0 w1 ...]
          ^  preempt the last running when blocks run out: it returns to waiting, tokens kept
 
+Within a priority level, new requests are admitted in turns between tenants (fairness.py), FCFS
+within a tenant. A waiting request with a better priority than a running one takes its place when
+the batch or the KV cache is full: the running one is preempted (tokens kept), at most
+max_priority_preemptions times.
+
 A step takes every decode first, then chunks of prompts already started, then new prompts, so a
 long prompt never holds back a stream. With a cost model and a target inter-token latency, the
 prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
@@ -27,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.fairness import TenantShares
 from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.speculative import Proposer, worth_drafting
@@ -51,6 +57,7 @@ class Scheduler:
         self._finished_ids: list[str] = []   # since the last plan
         self._arrivals = 0
         self.num_preemptions = 0
+        self.shares = TenantShares(dict(config.tenant_weights))
 
     # ------------------------------------------------------------ requests in and out
 
@@ -89,6 +96,7 @@ class Scheduler:
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self.shares.join(request.tenant)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def abort(self, request_id: str) -> bool:
@@ -124,6 +132,8 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         scheduled: set[str] = set()
+        self._preempt_for_priority(preempted)
+        num_priority_preempted = len(preempted)
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         for request in decodes:
@@ -161,23 +171,27 @@ class Scheduler:
             self._schedule_running(request, num_new, rows, scheduled)
             budget -= num_new
 
-        # New requests join only when no running request had to give up its blocks this step.
-        while (self.waiting and budget > 0 and not preempted
+        # New requests join only when no running request had to give up its blocks for another's decode.
+        while (self.waiting and budget > 0 and len(preempted) == num_priority_preempted
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self._next_waiting()
+            if request is None or request.request_id in preempted:   # a victim waits at least a step
+                break
             cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
             num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget))
             if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             self.blocks.allocate(request, num_cached + num_new, cached_ids)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            self.shares.started(request.tenant, 1)
             if request.first_scheduled_s is None:
                 # Only a first admission counts: a resumed request hitting its own blocks is no prompt hit.
                 request.first_scheduled_s = self.clock()
                 request.num_cached_tokens = num_cached
+                self.shares.charge(request.tenant, prompt_tokens=request.num_prompt_tokens - num_cached)
                 if self.blocks.enable_prefix_caching:
                     self.blocks.record_lookup(request.num_tokens, num_cached)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
@@ -225,6 +239,7 @@ class Scheduler:
                 reason, stop_reason = self._check_stop(request, token)
                 if reason is not None:
                     break
+            self.shares.charge(request.tenant, output_tokens=len(update.new_token_ids))
             if request.first_token_s is None:
                 request.first_token_s = now
             request.last_token_s = now
@@ -295,6 +310,44 @@ class Scheduler:
             budget -= granted
         return budget
 
+    def _next_waiting(self) -> Request | None:
+        """The next request to admit: of the best priority waiting, the head of the least-served
+        tenant's queue; a tenant at its running cap is passed over. None if every tenant is capped."""
+        cap = self.config.max_running_per_tenant
+        if cap is None and len(self.shares.live) <= 1:
+            return self.waiting[0]
+        best: Request | None = None
+        seen: set[str] = set()
+        for request in self.waiting:
+            if best is not None and request.priority != best.priority:
+                break
+            tenant = request.tenant
+            if tenant in seen:
+                continue
+            seen.add(tenant)
+            if cap is not None and self.shares.running.get(tenant, 0) >= cap:
+                continue
+            if best is None or self.shares.counter(tenant) < self.shares.counter(best.tenant):
+                best = request
+        return best
+
+    def _preempt_for_priority(self, preempted: list[str]) -> None:
+        """Make room for the best waiting request by preempting running ones of a worse priority,
+        when the batch is full or the KV cache cannot take its first chunk. A request preempted
+        max_priority_preemptions times is not picked again, so it cannot starve."""
+        if not self.waiting or not self.running or self.waiting[0].priority >= self.running[-1].priority:
+            return
+        candidate = self.waiting[0]
+        first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
+        while (len(self.running) >= self.config.max_num_seqs
+               or not self.blocks.can_allocate(candidate, first_chunk)):
+            victim = next((r for r in reversed(self.running) if r.priority > candidate.priority
+                           and r.num_preemptions < self.config.max_priority_preemptions), None)
+            if victim is None:
+                return
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
     def _make_room(self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]) -> bool:
         """Preempt lower-priority running requests not yet in this step until `request` can grow to
         `num_tokens`; False if even all of them are not enough."""
@@ -339,6 +392,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.shares.started(request.tenant, -1)
         self.blocks.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -350,11 +404,13 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.blocks.free(request)
+            self.shares.started(request.tenant, -1)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self.blocks.free(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
+        self.shares.leave(request.tenant)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_s = self.clock()

@@ -44,7 +44,7 @@ class EngineDeadError(ConveyorError):
 
 class AsyncEngine:
     def __init__(self, client: CoreClient, tokenizer: Tokenizer, max_waiting_requests: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_requests_per_tenant: int | None = None) -> None:
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
@@ -57,6 +57,9 @@ class AsyncEngine:
         self.processor = OutputProcessor(tokenizer)
         self.load = CoreLoad(0, 0, 0, 0.0)      # as of the core's last message
         self._queues: dict[str, OutputQueue] = {}
+        self.max_requests_per_tenant = max_requests_per_tenant
+        self._tenant_of: dict[str, str] = {}     # request id -> tenant, for requests in flight
+        self.tenant_in_flight: dict[str, int] = {}
         self._num_in_transit = 0                # adds sent that the core has not reported yet
         self._started = False
         self.is_accepting = True
@@ -105,7 +108,7 @@ class AsyncEngine:
         return max(0, in_core + num_new - self.info.scheduler.max_num_seqs)
 
     def add(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
-            priority: int = 0) -> list[OutputQueue]:
+            priority: int = 0, tenant: str = "") -> list[OutputQueue]:
         """Admit and start a request's prompts in one synchronous block, so no other request can pass
         the same capacity check in between: raise for a request that could never run (400), past the
         waiting-queue bound (429), or while not accepting (503); else send them to the core and
@@ -116,16 +119,23 @@ class AsyncEngine:
         limit = self.max_waiting_requests
         if limit is not None and self.num_would_wait(len(prompts)) > limit:
             raise QueueFull(f"the server is at capacity ({limit} requests may wait for a batch slot); retry later")
+        per_tenant = self.max_requests_per_tenant
+        in_flight = self.tenant_in_flight.get(tenant, 0)
+        if per_tenant is not None and in_flight + len(prompts) > per_tenant:
+            raise QueueFull(f"tenant {tenant or '(default)'!r} has {in_flight} requests in flight and may have "
+                            f"{per_tenant} (--max-requests-per-tenant); retry later")
         arrival_s = self.clock()
         queues: list[OutputQueue] = []
         core_requests = []
         for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True):
             queue: OutputQueue = asyncio.Queue()
             self._queues[request_id] = queue
+            self._tenant_of[request_id] = tenant
+            self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
             self.processor.add(request_id, prompt_token_ids, params)
             core_requests.append(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                             arrival_s, priority))
+                                             arrival_s, priority, tenant))
         self._num_in_transit += len(core_requests)
         self.client.send(AddRequests(core_requests))
         return queues
@@ -150,20 +160,30 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._forget(request_id)
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                       priority: int = 0, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """`add` and `outputs` for one prompt."""
         request_id = request_id or uuid.uuid4().hex
-        [queue] = self.add([prompt_token_ids], params, [request_id], priority)
+        [queue] = self.add([prompt_token_ids], params, [request_id], priority, tenant)
         async for output in self.outputs(request_id, queue):
             yield output
 
-    def abort(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        tenant = self._tenant_of.pop(request_id, None)
+        if tenant is not None:
+            left = self.tenant_in_flight[tenant] - 1
+            if left:
+                self.tenant_in_flight[tenant] = left
+            else:
+                del self.tenant_in_flight[tenant]
+
+    def abort(self, request_id: str) -> None:
+        self._forget(request_id)
         self.processor.drop(request_id)
         if self.dead_reason is None:
             self.client.send(AbortRequests([request_id]))
@@ -209,3 +229,5 @@ class AsyncEngine:
             self.processor.drop(request_id)
             queue.put_nowait(exc)
         self._queues.clear()
+        self._tenant_of.clear()
+        self.tenant_in_flight.clear()

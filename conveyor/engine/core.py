@@ -120,7 +120,7 @@ class EngineCore:
                                    proposer, spec.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.device)
-        self.structured = StructuredOutputs(grammar_compiler(self.model_path, arch.vocab_size))
+        self.structured = StructuredOutputs(grammar_compiler(self.model_path, arch.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
@@ -158,6 +158,7 @@ class EngineCore:
             max_tokens=params.max_tokens,
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
+            tenant=core_request.tenant,
             can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
         generator = make_generator(params, self.device)
@@ -311,8 +312,8 @@ class EngineCore:
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
         _, logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
-        masks = {row.request_id: self.structured.masks(row.request_id, row.draft_token_ids)
-                 for row in rows if self.structured.is_constrained(row.request_id)}
+        masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows
+                                            if self.structured.is_constrained(row.request_id)])
         sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
                               {r.request_id: self._live[r.request_id].generator for r in rows}, masks)
         deltas = []
@@ -370,4 +371,5 @@ class EngineCore:
             num_preemptions=request.num_preemptions,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            tenant=request.tenant,
         )

@@ -85,7 +85,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_s: float | None = None) -> str:
+                    arrival_s: float | None = None, tenant: str = "") -> str:
         """Tokenize and queue a request. Raises InvalidRequest / ContextLengthExceeded / QueueFull."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -94,7 +94,7 @@ class LLMEngine:
             grammar_compiler(self.model_path, self.core.info.vocab_size,
                              lambda: self.tokenizer).compile(params.structured_outputs)
         self.core.add(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                  self.clock() if arrival_s is None else arrival_s, priority))
+                                  self.clock() if arrival_s is None else arrival_s, priority, tenant))
         self.processor.add(request_id, prompt_token_ids, params)  # after the core took it
         return request_id
 

@@ -33,6 +33,7 @@ class CoreRequest:
     eos_token_ids: frozenset[int]
     arrival_s: float                 # time.monotonic() of the front: one clock for every process
     priority: int = 0
+    tenant: str = ""                 # the OpenAI `user` or the X-Tenant header; "" = the default tenant
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class RequestMetrics:
     num_preemptions: int
     num_draft_tokens: int = 0        # guesses verified for it (speculative decoding)
     num_accepted_tokens: int = 0
+    tenant: str = ""
 
     @property
     def queue_time_s(self) -> float | None:

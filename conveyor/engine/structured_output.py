@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ANY_OBJECT = '{"type": "object"}'
+_CACHE_BYTES = 256 * 2**20   # compiled grammars kept per process; a server sent endless new schemas stays bounded
 
 
 def _xgrammar() -> Any:
@@ -63,7 +64,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend), vocab_size=self.vocab_size,
                     stop_token_ids=sorted(tokenizer.eos_token_ids))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> Any:
@@ -112,8 +113,10 @@ def grammar_compiler(model_path: Path, vocab_size: int,
 class StructuredOutputs:
     """The core's side: compiles on a worker thread, then owns one matcher per constrained request."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, num_threads: int = 1) -> None:
         self.compiler = compiler
+        self.num_threads = num_threads           # for filling a step's masks: the model is idle meanwhile
+        self._batch: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._compiling: dict[str, Future[Any]] = {}
         self._matchers: dict[str, Any] = {}
@@ -155,22 +158,40 @@ class StructuredOutputs:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def step_masks(self, rows: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+        """The masks of one step's constrained rows, (request id, drafts) each: rows without drafts in
+        one call over num_threads threads (a bounded string's mask can take a millisecond), rows with
+        drafts by walking them (`masks`)."""
+        plain = [request_id for request_id, drafts in rows if not drafts]
+        out: dict[str, torch.Tensor] = {}
+        if plain:
+            xgr = _xgrammar()
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.num_threads)
+            bitmask = xgr.allocate_token_bitmask(len(plain), self.compiler.vocab_size)
+            self._batch.batch_fill_next_token_bitmask([self._matchers[r] for r in plain], bitmask)
+            out = {request_id: bitmask[i:i + 1] for i, request_id in enumerate(plain)}
+        for request_id, drafts in rows:
+            if drafts:
+                out[request_id] = self.masks(request_id, drafts)
+        return out
+
     def masks(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor:
         """(len(drafts) + 1, words) int32: the allowed tokens at each logits position of the row.
 
         Position i is masked as if drafts 1..i had been emitted. Past the first draft the grammar
-        refuses, positions keep the last mask: that draft is rejected, so nothing after it is emitted.
+        refuses (or a drafted eos), positions keep the last mask: nothing after it can be emitted.
         """
         xgr = _xgrammar()
         matcher = self._matchers[request_id]
         bitmask = xgr.allocate_token_bitmask(len(draft_token_ids) + 1, self.compiler.vocab_size)
         walked = 0
         for i in range(len(draft_token_ids) + 1):
-            if walked < i:
+            if i and (walked < i or matcher.is_terminated()):   # past a refused draft, or a drafted eos
                 bitmask[i] = bitmask[i - 1]
                 continue
             matcher.fill_next_token_bitmask(bitmask, i)
-            if i < len(draft_token_ids) and not matcher.is_terminated() and matcher.accept_token(draft_token_ids[i]):
+            if i < len(draft_token_ids) and matcher.accept_token(draft_token_ids[i]):
                 walked += 1
         if walked:
             matcher.rollback(walked)

@@ -15,7 +15,7 @@ from conveyor.kernels import decoder, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
 __all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "attention_tile_size",
-           "paged_attention"]
+           "paged_attention", "mask_logits"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -40,6 +40,8 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     decoder.declare(lib)
     lib.gemm_isa.restype = ctypes.c_int
     lib.gemm_isa.argtypes = []
+    lib.mask_logits.restype = None
+    lib.mask_logits.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P]
     return built
 
 
@@ -80,3 +82,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
                          f"head dim {head_dim}, block size {block_size}) or tiles")
     return out
+
+
+def mask_logits(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> list[bool] | None:
+    """-inf in place for the tokens each listed row's packed mask refuses; per row, whether a finite logit
+    is left. logits (S, V) float32 with unit column stride, rows (C,) int64, masks (C, words) int32
+    contiguous. None when the kernels are not built (the caller has a torch path)."""
+    built = library()
+    if built is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        return None
+    rows, masks = rows.contiguous(), masks.contiguous()
+    alive = torch.empty(rows.shape[0], dtype=torch.int32)
+    built.lib.mask_logits(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0], masks.data_ptr(),
+                          masks.shape[1], logits.shape[1], alive.data_ptr())
+    return [bool(a) for a in alive.tolist()]

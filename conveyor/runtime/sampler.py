@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor import kernels
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: (S, V) float32, one row per SamplingRow."""
+        """logits: (S, V) float32, one row per SamplingRow. Rows with allowed_tokens are masked in place."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (num_rows={len(rows)}, vocab), got {tuple(logits.shape)}")
         if not rows:
@@ -226,23 +227,37 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
 
 
+def mask_refused_tokens_(logits: torch.Tensor, rows: list[int], packed: torch.Tensor) -> list[bool]:
+    """In place: -inf for the tokens each row's packed mask (C, words) refuses. Per row, whether a
+    finite logit is left. The C kernel when built, else the same in torch."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    alive = kernels.mask_logits(logits, index, packed)
+    if alive is not None:
+        return alive
+    sub = logits.index_select(0, index).masked_fill(~unpack_bitmask(packed.to(logits.device), logits.shape[1]),
+                                                     float("-inf"))
+    logits.index_copy_(0, index, sub)
+    return (sub > float("-inf")).any(dim=-1).tolist()
+
+
 def _apply_allowed_tokens(logits: torch.Tensor, unblocked: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """-inf for tokens a row's grammar does not allow, all constrained rows in one operation.
+    """-inf for tokens a row's grammar does not allow, in place, all constrained rows in one call.
 
     When min_tokens blocked every token the grammar allows (the grammar is at its end, where only
-    eos is left) the grammar wins: `unblocked` (the logits before the min_tokens mask) is used.
+    eos is left) the grammar wins: the row is taken from `unblocked` (the logits before the
+    min_tokens mask) and masked again.
     """
     constrained = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
     if not constrained:
         return logits
-    index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
-    allowed = unpack_bitmask(torch.stack([rows[i].allowed_tokens for i in constrained]).to(logits.device),
-                             logits.shape[1])                                                 # (C, V)
-    sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-    dead = sub.isneginf().all(dim=-1, keepdim=True)                                           # (C, 1)
-    if bool(dead.any()):
-        sub = torch.where(dead, unblocked.index_select(0, index).masked_fill(~allowed, float("-inf")), sub)
-    return logits.index_copy(0, index, sub)
+    packed = torch.stack([rows[i].allowed_tokens for i in constrained])                       # (C, words)
+    alive = mask_refused_tokens_(logits, constrained, packed)
+    dead = [j for j, ok in enumerate(alive) if not ok]
+    if dead and unblocked is not logits:
+        for j in dead:
+            logits[constrained[j]] = unblocked[constrained[j]]
+        mask_refused_tokens_(logits, [constrained[j] for j in dead], packed[dead])
+    return logits
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

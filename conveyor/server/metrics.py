@@ -52,7 +52,15 @@ METRIC_NAMES = (
     "conveyor:spec_decode_num_drafts_total",
     "conveyor:spec_decode_num_draft_tokens_total",
     "conveyor:spec_decode_num_accepted_tokens_total",
-)  # and, once a draft is accepted, conveyor:spec_decode_num_accepted_tokens_per_pos{position=...}
+)  # and, once a draft is accepted, conveyor:spec_decode_num_accepted_tokens_per_pos{position=...};
+# once a request finishes, conveyor:tenant_{requests,prompt_tokens,generation_tokens}_total and
+# conveyor:tenant_request_queue_time_seconds, labelled with its tenant.
+
+# Tenants are named by clients: the first MAX_TENANT_LABELS get a label of their own, later ones
+# share TENANT_OVERFLOW_LABEL, so a client cannot grow the metrics without bound.
+MAX_TENANT_LABELS = 32
+TENANT_OVERFLOW_LABEL = "(other)"
+DEFAULT_TENANT_LABEL = "(default)"
 
 
 class ServerMetrics:
@@ -114,6 +122,17 @@ class ServerMetrics:
                                          ["model_name", "position"], registry=r)
         self._success = Counter("conveyor:request_success_total", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
+        tenant_labels = ["model_name", "tenant"]
+        self._tenant_requests = Counter("conveyor:tenant_requests_total", "Finished requests per tenant.",
+                                        tenant_labels, registry=r)
+        self._tenant_prompt = Counter("conveyor:tenant_prompt_tokens_total",
+                                      "Prompt tokens of finished requests per tenant.", tenant_labels, registry=r)
+        self._tenant_generation = Counter("conveyor:tenant_generation_tokens_total",
+                                          "Output tokens of finished requests per tenant.", tenant_labels, registry=r)
+        self._tenant_queue = Histogram("conveyor:tenant_request_queue_time_seconds",
+                                       "Time from arrival to first being scheduled, per tenant.", tenant_labels,
+                                       buckets=_REQUEST_BUCKETS, registry=r)
+        self._tenant_labels: set[str] = set()
         self._model_name = model_name
         # Effective batching settings after preset and flags, as labels of a constant 1 (vLLM's *_info style).
         sched = engine.info.scheduler
@@ -197,8 +216,13 @@ class ServerMetrics:
         if metrics is None:
             return
         self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        tenant = self._tenant_label(metrics.tenant)
+        self._tenant_requests.labels(self._model_name, tenant).inc()
+        self._tenant_prompt.labels(self._model_name, tenant).inc(metrics.num_prompt_tokens)
+        self._tenant_generation.labels(self._model_name, tenant).inc(metrics.num_output_tokens)
         if metrics.queue_time_s is not None:
             self.queue_time.observe(metrics.queue_time_s)
+            self._tenant_queue.labels(self._model_name, tenant).observe(metrics.queue_time_s)
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:
@@ -215,6 +239,14 @@ class ServerMetrics:
                    f", draft acceptance {metrics.num_accepted_tokens / metrics.num_draft_tokens:.0%} "
                    f"({metrics.num_accepted_tokens}/{metrics.num_draft_tokens})" if metrics.num_draft_tokens else "",
                    f"; error: {output.error}" if output.error else "")
+
+    def _tenant_label(self, tenant: str) -> str:
+        label = tenant or DEFAULT_TENANT_LABEL
+        if label not in self._tenant_labels:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                return TENANT_OVERFLOW_LABEL
+            self._tenant_labels.add(label)
+        return label
 
     def refresh_load(self) -> None:
         # The core reports its load after every command it applies, so this is current even when idle.

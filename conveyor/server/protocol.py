@@ -38,6 +38,7 @@ from conveyor.sampling_params import (
 # Requests
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+MAX_CHOICES = 128
 # Top-level request bodies keep unknown fields so that each can be refused by name (check_fields).
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 
@@ -138,8 +139,10 @@ class _SamplingRequest(BaseModel):
         0, description="lower runs first; FCFS among equals; a 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="only 1 is supported")
-    user: Text | None = Field(None, description="an end-user id; as at OpenAI, it does not change the output")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = Field(
+        1, description="choices per prompt; each samples on its own (a seed gives choice j seed + j)")
+    user: Text | None = Field(None, description="the tenant the request is counted for in fair sharing, unless an "
+                                                "X-Tenant header names one; it does not change the output")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100], added to its logit")
     response_format: ResponseFormat | None = None
@@ -160,13 +163,6 @@ class _SamplingRequest(BaseModel):
             elif value is not None:
                 raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
                                      f"every request field)", param=name)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @property
     def include_usage(self) -> bool:

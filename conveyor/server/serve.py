@@ -75,7 +75,8 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
         engine = client
         client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
-    async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests)
+    async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests,
+                               max_requests_per_tenant=server.max_requests_per_tenant)
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
                     max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
                     protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,

@@ -145,10 +145,10 @@ class OpenAIServing:
         if params.structured_outputs is not None:
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs, param)
 
-    def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int) -> PromptGroup:
+    def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+               tenant: str, n: int) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
-        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority)
+        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant, n)
 
     async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
         async def collect() -> list[_Choice]:
@@ -187,7 +187,7 @@ class OpenAIServing:
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
-        group = self._start("cmpl", prompts, params, body.priority)
+        group = self._start("cmpl", prompts, params, body.priority, tenant_of(request, body.user), body.n)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
@@ -254,7 +254,7 @@ class OpenAIServing:
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority)
+            group = self._start("chatcmpl", prompts, params, body.priority, tenant_of(request, body.user), body.n)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
@@ -349,3 +349,11 @@ def _tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallD
     return [ToolCallDelta(index=first_index + i, id=call.id, type="function",
                           function=FunctionCallDelta(name=call.name, arguments=call.arguments))
             for i, call in enumerate(calls)]
+
+
+TENANT_HEADER = "x-tenant"
+
+
+def tenant_of(request: Request, user: str | None) -> str:
+    """Whose request: the X-Tenant header (set by a gateway that knows its callers) over the body's user."""
+    return request.headers.get(TENANT_HEADER) or user or ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -36,28 +37,65 @@ class ClientDisconnected(Exception):
 
 
 class PromptGroup:
-    """The engine requests of one HTTP request: prompt i has request id `{group_id}-{i}`.
+    """The engine requests of one HTTP request: choice k has request id `{group_id}-{k}`.
 
-    Creating the group admits and starts every prompt at once (`AsyncEngine.add`), so a refusal
-    (400, 429, 503) is raised here, before any response starts.
+    With n choices per prompt, choice k is prompt k // n's (k % n)-th, as OpenAI numbers them. Creating
+    the group admits and starts the first choice of every prompt (`AsyncEngine.add`), so a refusal
+    (400, 429, 503) is raised here, before any response starts. A prompt's other choices start when
+    its first one has its first token: the prompt's KV blocks are then in the prefix cache, so it is
+    computed once. A seeded request's choice j samples with seed + j, so the choices differ and each
+    is reproducible; a start refused then (the server filled up meanwhile) ends those choices with
+    that error.
     """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
-                 params: SamplingParams, priority: int = 0) -> None:
+                 params: SamplingParams, priority: int = 0, tenant: str = "", n: int = 1) -> None:
         self.group_id = group_id
-        self.num_prompts = len(prompt_token_ids)
+        self.n = n
+        self.num_prompts = len(prompt_token_ids) * n       # choices: what the response lists
         self._engine = engine
+        self._prompts = prompt_token_ids
+        self._params, self._priority, self._tenant = params, priority, tenant
         self._request_ids = [f"{group_id}-{index}" for index in range(self.num_prompts)]
-        queues = engine.add(prompt_token_ids, params, self._request_ids, priority)
         self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
-                       for index, queue in enumerate(queues)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._siblings_started: set[int] = set() if n > 1 else set(range(0, self.num_prompts, n))
+        firsts = [i * n for i in range(len(prompt_token_ids))]
+        self._start(firsts, engine.add(prompt_token_ids, params, [self._request_ids[k] for k in firsts], priority,
+                                       tenant))
+
+    def _start(self, indexes: list[int], queues: list[OutputQueue]) -> None:
+        self._tasks += [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
+                        for index, queue in zip(indexes, queues)]
+
+    def _start_siblings(self, first: int) -> None:
+        """The other n - 1 choices of the prompt whose first choice is `first`."""
+        self._siblings_started.add(first)
+        if self._closed:
+            return
+        siblings = list(range(first + 1, first + self.n))
+        prompt = self._prompts[first // self.n]
+        try:
+            for index in siblings:
+                params = self._params
+                if params.seed is not None:
+                    params = dataclasses.replace(params, seed=(params.seed + index - first) % 2**64)
+                self._start([index], self._engine.add([prompt], params, [self._request_ids[index]],
+                                                      self._priority, self._tenant))
+        except ConveyorError as exc:
+            started = {task.get_name() for task in self._tasks}
+            for index in siblings:
+                if self._request_ids[index] not in started:
+                    self._outputs.put_nowait((index, exc))
 
     async def _pump(self, index: int, queue: OutputQueue) -> None:
         request_id = self._request_ids[index]
         try:
             async with contextlib.aclosing(self._engine.outputs(request_id, queue)) as outputs:
                 async for output in outputs:
+                    if index % self.n == 0 and index not in self._siblings_started:
+                        self._start_siblings(index)
                     self._outputs.put_nowait((index, output))
         except ConveyorError as exc:
             self._outputs.put_nowait((index, exc))
@@ -85,6 +123,7 @@ class PromptGroup:
 
     def close(self) -> None:
         """Abort whatever has not finished: each cancelled task's generator sends its abort."""
+        self._closed = True
         unfinished = [task for task in self._tasks if not task.done()]
         if unfinished:
             logger.info("aborting %d of the %d requests of %s: the response ended before they finished",

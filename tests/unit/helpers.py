@@ -27,14 +27,14 @@ class FakeClock:
 def make_request(request_id: str, prompt_len: int = 4, *, prompt: Sequence[int] | None = None,
                  max_tokens: int | None = 4, min_tokens: int = 0, ignore_eos: bool = False,
                  stop_token_ids: Iterable[int] = (), priority: int = 0,
-                 eos_token_ids: Iterable[int] = (EOS,), arrival_s: float = 0.0) -> Request:
+                 eos_token_ids: Iterable[int] = (EOS,), arrival_s: float = 0.0, tenant: str = "") -> Request:
     """A request whose prompt is `prompt`, or `prompt_len` tokens 100, 101, ... (never the eos id)."""
     prompt_token_ids = list(prompt) if prompt is not None else [100 + i for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
                             stop_token_ids=list(stop_token_ids))
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
                    arrival_s=arrival_s, max_tokens=max_tokens, eos_token_ids=frozenset(eos_token_ids),
-                   priority=priority)
+                   priority=priority, tenant=tenant)
 
 
 def audit_blocks(blocks: BlockManager, live: Iterable[Request]) -> None:

@@ -108,3 +108,34 @@ def test_structured_outputs_params_take_exactly_one_constraint() -> None:
     # The cache key is canonical: the same schema written in another key order is the same grammar.
     assert (StructuredOutputsParams(json={"a": 1, "b": 2}).key == StructuredOutputsParams(json={"b": 2, "a": 1}).key)
     assert StructuredOutputsParams(json={"a": 1}, strict=True).key != StructuredOutputsParams(json={"a": 1}).key
+
+
+def test_mask_kernel_matches_its_torch_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor import kernels
+    from conveyor.runtime import sampler as sampler_module
+
+    if kernels.library() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    generator = torch.Generator().manual_seed(11)
+    vocab = 1000   # not a multiple of 32: the last word is partial
+    raw = torch.randn(6, vocab, generator=generator)
+    raw[2, :] = float("-inf")
+    raw[2, 17] = 0.5
+    rows = [0, 2, 3, 5]
+    words = (vocab + 31) // 32
+    packed = torch.randint(-2**31, 2**31 - 1, (len(rows), words), dtype=torch.int32, generator=generator)
+    packed[0, :10] = -1          # all-ones words
+    packed[2, :] = 0             # refuses everything: nothing left
+    packed[1, 0] = 1 << 17       # row 2 keeps only token 17, its one finite logit
+    packed[1, 1:] = 0
+    fast, slow = raw.clone(), raw.clone()
+    alive_fast = kernels.mask_logits(fast, torch.tensor(rows), packed)
+    index = torch.tensor(rows)
+    expected = slow.index_select(0, index).masked_fill(~unpack_bitmask(packed, vocab), float("-inf"))
+    slow.index_copy_(0, index, expected)
+    assert torch.equal(fast, slow)
+    assert alive_fast == [True, True, False, True]
+    twin = raw.clone()
+    monkeypatch.setattr(kernels, "mask_logits", lambda *args: None)   # as without a compiler
+    assert sampler_module.mask_refused_tokens_(twin, rows, packed) == alive_fast
+    assert torch.equal(twin, slow)

@@ -36,6 +36,8 @@ configs = st.fixed_dictionaries({
     "enable_prefix_caching": st.booleans(),
     "target_itl_ms": st.sampled_from([None, None, 1.0, 30.0]),   # against COST: cut chunks, or none
     "min_prefill_chunk": st.integers(1, 4),
+    "max_running_per_tenant": st.sampled_from([None, None, 1, 2]),
+    "max_priority_preemptions": st.integers(0, 3),
 })
 COST = StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=1e-5)
 seeds = st.integers(0, 2**16)
@@ -80,7 +82,7 @@ class Harness:
         if max_tokens is not None:
             min_tokens = min(min_tokens, max_tokens)
         request = make_request(f"r{index}", prompt=prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                               ignore_eos=ignore_eos, priority=priority,
+                               ignore_eos=ignore_eos, priority=priority, tenant="ABC"[seed % 3],
                                stop_token_ids=[STOP_TOKEN] if seed % 3 == 0 else [])
         num_waiting = sched.num_waiting
         try:
@@ -240,7 +242,9 @@ def run(config: dict, operations: list[tuple]) -> Harness:
                                        max_num_batched_tokens=config["max_num_batched_tokens"],
                                        max_waiting_requests=config["max_waiting_requests"],
                                        target_itl_ms=config.get("target_itl_ms"),
-                                       min_prefill_chunk=config.get("min_prefill_chunk", 1))
+                                       min_prefill_chunk=config.get("min_prefill_chunk", 1),
+                                       max_running_per_tenant=config.get("max_running_per_tenant"),
+                                       max_priority_preemptions=config.get("max_priority_preemptions", 3))
     cost_model = StepCostModel(prior=COST) if config.get("target_itl_ms") else None
     harness = Harness(Scheduler(scheduler_config, blocks, config["max_model_len"], FakeClock(), cost_model), blocks)
     for index, op in enumerate(operations):

@@ -1,0 +1,161 @@
+"""`conveyor run-batch`: a file of OpenAI batch requests through the engine, results as they finish.
+
+Input lines are OpenAI's batch format (the lines `vllm run-batch` reads):
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+Each request goes through the same OpenAI app the server runs (validation, chat templates,
+structured outputs, errors), called in process over httpx's ASGI transport, so a batch line and an
+HTTP request behave alike. Output lines are OpenAI's batch output:
+
+    {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": ..., "body": {...}},
+     "error": null}
+
+written (and flushed) as each request finishes, in finishing order. A line that is not a valid
+request gets one line with its `error` (and the 4xx response, when the API refused it); the rest of
+the file still runs. Run again with the same output file, requests whose custom_id is already
+there are skipped, so an interrupted batch resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from conveyor.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(slots=True)
+class BatchLine:
+    number: int                      # 1-based line number in the input file
+    custom_id: str
+    url: str | None = None
+    body: dict[str, Any] | None = None
+    error: str | None = None         # why the line is not a request
+
+
+def parse_line(number: int, text: str) -> BatchLine:
+    try:
+        line = json.loads(text)
+    except ValueError as exc:
+        return BatchLine(number, f"line-{number}", error=f"line {number} is not valid JSON: {exc}")
+    if not isinstance(line, dict):
+        return BatchLine(number, f"line-{number}", error=f"line {number} is not a JSON object")
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BatchLine(number, f"line-{number}", error=f"line {number} has no custom_id string")
+    if line.get("method", "POST") != "POST":
+        return BatchLine(number, custom_id, error=f"method must be POST, got {line.get('method')!r}")
+    url, body = line.get("url"), line.get("body")
+    if url not in BATCH_URLS:
+        return BatchLine(number, custom_id, error=f"url must be one of {', '.join(BATCH_URLS)}, got {url!r}")
+    if not isinstance(body, dict):
+        return BatchLine(number, custom_id, error="body must be a JSON object")
+    if body.get("stream"):
+        return BatchLine(number, custom_id, error="stream is not supported in a batch")
+    return BatchLine(number, custom_id, url, body)
+
+
+def done_ids(path: Path) -> set[str]:
+    """custom_ids already answered in an output file. A torn last line (a run killed mid-write) is
+    cut off, so the results appended next start on a line of their own."""
+    ids: set[str] = set()
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        with path.open(encoding="utf-8") as f:
+            for text in f:
+                try:
+                    ids.add(json.loads(text)["custom_id"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return ids
+
+
+def read_lines(path: Path) -> Iterator[BatchLine]:
+    with path.open(encoding="utf-8") as f:
+        for number, text in enumerate(f, start=1):
+            if text.strip():
+                yield parse_line(number, text)
+
+
+def result_line(line: BatchLine, status: int | None, body: Any, error: str | None) -> str:
+    response = None if status is None else {"status_code": status, "request_id": f"req-{uuid.uuid4().hex}",
+                                            "body": body}
+    if error is None and status is not None and status >= 400:
+        error = (body.get("error") or {}).get("message") if isinstance(body, dict) else str(body)
+    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response,
+                       "error": None if error is None else {"code": str(status or "invalid_line"),
+                                                            "message": error}}, ensure_ascii=False) + "\n"
+
+
+async def run_lines(app: Any, lines: list[BatchLine], out: IO[str], concurrency: int, progress: Any) -> dict[str, int]:
+    """POST every line to `app`, at most `concurrency` at once, writing each result as it comes."""
+    import httpx
+
+    counts = {"completed": 0, "failed": 0}
+    limit = asyncio.Semaphore(concurrency)
+
+    def write(text: str, ok: bool) -> None:
+        out.write(text)
+        out.flush()
+        counts["completed" if ok else "failed"] += 1
+        progress.update(1)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
+                                 timeout=None) as client:
+        async def one(line: BatchLine) -> None:
+            if line.error is not None:
+                write(result_line(line, None, None, line.error), ok=False)
+                return
+            async with limit:
+                response = await client.post(line.url, json=line.body)
+            body = response.json()
+            write(result_line(line, response.status_code, body, None), ok=response.status_code < 400)
+
+        await asyncio.gather(*(one(line) for line in lines))
+    return counts
+
+
+def run_batch(config: EngineConfig, input_path: Path, output_path: Path, concurrency: int | None = None) -> int:
+    """Run the batch; returns 0 when every request succeeded, 1 when some failed."""
+    from tqdm import tqdm
+
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.core_client import ThreadCoreClient
+    from conveyor.engine.engine import LLMEngine
+    from conveyor.server.app import build_app
+
+    skip = done_ids(output_path)
+    lines = [line for line in read_lines(input_path) if line.custom_id not in skip]
+    if skip:
+        logger.warning("resuming: %d requests of %s already answered in %s", len(skip), input_path, output_path)
+    if not lines:
+        return 0
+    engine = LLMEngine(config)
+    async_engine = AsyncEngine(ThreadCoreClient(engine.core), engine.tokenizer)
+    app = build_app(async_engine, engine.model_name)
+    concurrency = concurrency or 2 * config.scheduler.max_num_seqs
+
+    async def main() -> dict[str, int]:
+        async with app.router.lifespan_context(app):
+            with output_path.open("a", encoding="utf-8") as out, \
+                    tqdm(total=len(lines), unit="req", desc="run-batch") as progress:
+                return await run_lines(app, lines, out, concurrency, progress)
+
+    counts = asyncio.run(main())
+    logger.warning("run-batch: %d completed, %d failed, %d skipped (already in %s)", counts["completed"],
+                   counts["failed"], len(skip), output_path)
+    return 0 if counts["failed"] == 0 else 1
