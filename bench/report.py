@@ -167,7 +167,8 @@ def goals_text(rows: list[dict]) -> str:
 
 
 def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> list[str] | str:
-    """PNG files: throughput against concurrency per system; TTFT and ITL distributions (CDFs)."""
+    """PNG files: throughput against concurrency per system; TTFT and ITL distributions (CDFs). A plot
+    with nothing to draw (no system measured it) is not written."""
     try:
         import matplotlib
     except ImportError:
@@ -177,34 +178,35 @@ def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    fig, ax = plt.subplots(figsize=(8, 5))
     families: dict[str, list[tuple[int, float]]] = {}
     for key, res in results.items():
         if (res.get("skipped") or not res.get("output_tokens_per_s") or res.get("concurrency") is None
                 or res.get("rate_req_s")):   # a Poisson run's throughput is its arrival rate's
             continue
         families.setdefault(key.split("/")[0], []).append((res["concurrency"], res["output_tokens_per_s"]))
-    for name, points in sorted(families.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent sequences (server slots, batch size, max_num_seqs)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput on the offline workload")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    path = out_dir / "throughput_vs_concurrency.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    files.append(str(path))
-    for metric, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency")):
+    if families:
         fig, ax = plt.subplots(figsize=(8, 5))
-        for key, sample in samples.items():
-            values = sorted(sample.get(metric, []))
-            if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post",
-                        label=key)
+        for name, points in sorted(families.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sequences (server slots, batch size, max_num_seqs)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Throughput on the offline workload")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        path = out_dir / "throughput_vs_concurrency.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    for metric, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency")):
+        measured = {key: sorted(sample[metric]) for key, sample in samples.items() if sample.get(metric)}
+        if not measured:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for key, values in measured.items():
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post", label=key)
         ax.set_xscale("log")
         ax.set_xlabel(f"{metric.removesuffix('_ms').upper()} (ms)")
         ax.set_ylabel("fraction of samples ≤ x")

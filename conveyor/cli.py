@@ -110,12 +110,25 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default, as vLLM's --help does, unless its help already says it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default in (None, False, [], "")
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description="An LLM serving engine built around continuous batching")
+    parser = argparse.ArgumentParser(prog="conveyor", description="An LLM serving engine built around continuous batching",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="answer one prompt, streaming the text to the terminal")
+    gen = sub.add_parser("generate", help="answer one prompt, streaming the text to the terminal",
+                         formatter_class=DefaultsHelpFormatter)
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
@@ -127,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     gen.set_defaults(subparser=gen)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)",
+                           formatter_class=DefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as in `vllm serve MODEL` (the same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -137,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--protect-metrics", action="store_true",
                        help="require the API key on /metrics too (default: open, for Prometheus scrapers)")
     serve.add_argument("--disable-docs", dest="enable_docs", action="store_false",
-                       help="remove /openapi.json, /docs and /redoc (default: served, without the API key)")
+                       help="remove /openapi.json and /docs (default: served, without the API key)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model file's name without .gguf, or the folder's)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
@@ -147,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-requests-per-tenant", type=int, default=None,
                        help="requests one tenant may have in flight (running or waiting); past it a 429 with "
                             "Retry-After (default: no limit)")
+    serve.add_argument("--state-dir", default=None,
+                       help="directory of the SQLite database that keeps batch jobs and files across restarts "
+                            "(default: in memory, lost at exit)")
     serve.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
@@ -174,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(subparser=serve)
 
     batch = sub.add_parser("run-batch", help="run a file of OpenAI batch requests (JSONL), writing results as they "
-                                             "finish; rerun to resume")
+                                             "finish; rerun to resume", formatter_class=DefaultsHelpFormatter)
     batch.add_argument("-i", "--input-file", required=True, help="OpenAI batch input: one request per line")
     batch.add_argument("-o", "--output-file", required=True,
                        help="results, one line per request (appended; custom_ids already there are skipped)")
@@ -255,7 +272,8 @@ def serve(args: argparse.Namespace) -> int:
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
                           enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
-                          core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant)
+                          core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
+                          state_dir=args.state_dir)
     return run_server(config, server)
 
 

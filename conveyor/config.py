@@ -221,6 +221,7 @@ class ServerConfig:
     api_key: str | None = None                # None = no key required
     max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     max_requests_per_tenant: int | None = None  # in flight (running or waiting) per tenant; past it 429; None = no limit
+    state_dir: str | None = None              # where batch jobs and files live (SQLite); None = in memory
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
     # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.
@@ -236,7 +237,7 @@ class ServerConfig:
     max_concurrency: int | None = None
     # The API key always guards /v1/*; /health stays open for probes. /metrics is open by default,
     # as vLLM leaves it, for scrapers; protect_metrics puts it behind the key. enable_docs False
-    # removes /openapi.json, /docs and /redoc (vLLM's --disable-fastapi-docs).
+    # removes /openapi.json and /docs (vLLM's --disable-fastapi-docs).
     protect_metrics: bool = False
     enable_docs: bool = True
     # A "Running / Waiting / KV cache / throughput" line this often while there is work, as vLLM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,11 +31,13 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    index: int = 0                     # which of its prompt's n choices
+    siblings: list[CompletionOutput] = field(default_factory=list)   # choices 1..n-1 of its prompt
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape, `outs[0].outputs[0].text`: one prompt, one completion (n = 1), this one."""
-        return [self]
+        """vLLM's shape, `outs[i].outputs[j].text`: the prompt's n choices, this one first."""
+        return [self, *self.siblings]
 
 
 @dataclass(slots=True)
@@ -68,18 +71,30 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         pending: dict[str, _Pending] = {}
-        order: list[str] = []
+        order: list[list[str]] = []      # per prompt, its choices' request ids
         try:
             for prompt, params in zip(prompts, params_list):
-                request_id = self.engine.add_request(prompt, params)
-                pending[request_id] = _Pending(prompt)
-                order.append(request_id)
+                ids = []
+                for j in range(params.n):   # choice j samples with seed + j, as the server's choices do
+                    seed = None if params.seed is None else (params.seed + j) % 2**64
+                    choice = dataclasses.replace(params, n=1, best_of=None, seed=seed)
+                    request_id = self.engine.add_request(prompt, choice)
+                    pending[request_id] = _Pending(prompt)
+                    ids.append(request_id)
+                order.append(ids)
             results = self._run(pending, use_tqdm)
         except BaseException:
-            for request_id in order:
+            for request_id in pending:
                 self.engine.abort_request(request_id)
             raise
-        return [results[request_id] for request_id in order]
+        outputs = []
+        for ids in order:
+            first = results[ids[0]]
+            first.siblings = [results[request_id] for request_id in ids[1:]]
+            for index, sibling in enumerate(first.siblings, start=1):
+                sibling.index = index
+            outputs.append(first)
+        return outputs
 
     def chat(self, conversations: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -15,6 +15,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 100.0                # OpenAI's range for logit_bias values
+MAX_CHOICES = 128                     # n: choices per prompt
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +80,8 @@ class SamplingParams:
     logprobs: int | None = None           # None = off; N = the sampled token's and the top N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1                            # choices per prompt (LLM.generate; the server's `n`)
+    best_of: int | None = None            # only None or n: no hidden extra choices
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -122,6 +125,11 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs, minimum=0) and self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
                                  param="logprobs")
+        if not _is_int(self.n, minimum=1) or self.n > MAX_CHOICES:
+            raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {self.n!r}", param="n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest(f"best_of must equal n ({self.n}): choosing the best of more choices is not "
+                                 f"supported", param="best_of")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_int(t, minimum=0) and _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS

@@ -23,6 +23,7 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.structured_output import grammar_compiler
+from conveyor.errors import InvalidRequest
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import default_model_name
 from conveyor.sampling_params import SamplingParams
@@ -88,6 +89,9 @@ class LLMEngine:
                     arrival_s: float | None = None, tenant: str = "") -> str:
         """Tokenize and queue a request. Raises InvalidRequest / ContextLengthExceeded / QueueFull."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequest("add_request runs one sequence: n choices are LLM.generate's and the server's",
+                                 param="n")
         request_id = request_id or uuid.uuid4().hex
         prompt_token_ids = self.encode_prompt(prompt)
         if params.structured_outputs is not None:   # refused here if it does not compile; the core's is a cache hit

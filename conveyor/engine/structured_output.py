@@ -107,6 +107,8 @@ def grammar_compiler(model_path: Path, vocab_size: int,
                 def make_tokenizer() -> Tokenizer:
                     return load_tokenizer(model_path)
             compiler = _compilers[key] = GrammarCompiler(make_tokenizer, vocab_size)
+        elif make_tokenizer is not None and compiler._compiler is None:
+            compiler._make_tokenizer = make_tokenizer   # a tokenizer already loaded beats loading it again
     return compiler
 
 

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -32,6 +33,8 @@ from conveyor.errors import (
     ServerBusy,
     Unauthorized,
 )
+from conveyor.server.batch_api import BatchRunner, add_batch_routes
+from conveyor.server.batch_store import BatchStore
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
@@ -208,26 +211,37 @@ class RequestGuard:
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
               body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
-              max_concurrency: int | None = None, stats_log_interval_s: float = 0.0) -> FastAPI:
+              max_concurrency: int | None = None, stats_log_interval_s: float = 0.0,
+              state_dir: Path | None = None) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
 
     The API key guards /v1/*, /tokenize and /detokenize (and /metrics with `protect_metrics`); /health stays open.
-    `enable_docs` False removes /openapi.json, /docs and /redoc.
+    `enable_docs` False removes /openapi.json and /docs.
     """
     metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
     serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
     created = int(time.time())
 
+    batch_store = BatchStore(state_dir)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        runner = app.state.batch_runner = BatchRunner(batch_store, app, async_engine.info.scheduler.max_num_seqs,
+                                                      api_key)
+        runner.start()
         yield
+        await runner.stop()             # lines in flight stay pending: a restart runs them
         await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
 
+    # The docs page is served with Swagger UI's own files (swagger-ui-bundle), not FastAPI's CDN links,
+    # so it works on a machine without internet; ReDoc has no such package and is left out.
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server built around continuous batching",
-                  version="0.1.0", lifespan=lifespan,
-                  **({} if enable_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}))
+                  version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  **({} if enable_docs else {"openapi_url": None}))
+    if enable_docs:
+        add_offline_docs(app)
     app.state.metrics = metrics
     app.state.engine = async_engine
     app.state.serving = serving
@@ -258,6 +272,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("%s %s raised", request.method, request.url.path, exc_info=exc)
         return error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))
+
+    add_batch_routes(app, batch_store)
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
               responses={200: {"content": _STREAM_DOC, "description": "a completion, or SSE chunks when "
@@ -315,6 +331,22 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_offline_docs(app: FastAPI) -> None:
+    """/docs: Swagger UI from the swagger-ui-bundle package's files, under /docs/static."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from starlette.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount("/docs/static", StaticFiles(directory=str(swagger_ui_path)), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="conveyor - Swagger UI",
+                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/static/swagger-ui.css",
+                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
 
 
 def _invalid_request(exc: RequestValidationError) -> InvalidRequest:

@@ -23,6 +23,7 @@ from pydantic import (
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import (
+    MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -38,7 +39,6 @@ from conveyor.sampling_params import (
 # Requests
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
-MAX_CHOICES = 128
 # Top-level request bodies keep unknown fields so that each can be refused by name (check_fields).
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 
@@ -278,8 +278,9 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest(f"best_of must equal n ({self.n}): choosing the best of more choices is not "
+                                 f"supported", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         return self._sampling_params(self.max_tokens, self.logprobs)

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+from pathlib import Path
 import socket
 from types import FrameType
 
@@ -80,7 +81,8 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
                     max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
                     protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
-                    max_concurrency=server.max_concurrency, stats_log_interval_s=server.stats_log_interval_s)
+                    max_concurrency=server.max_concurrency, stats_log_interval_s=server.stats_log_interval_s,
+                    state_dir=None if server.state_dir is None else Path(server.state_dir))
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),

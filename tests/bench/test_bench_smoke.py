@@ -139,3 +139,14 @@ def test_replay_times_every_request(tiny_checkpoint: Path) -> None:
     check_distribution(result["ttft_ms"])
     check_distribution(result["itl_ms"])
     assert result["options"]["target_itl_ms"] is None and result["max_ttft_ms"] >= result["ttft_ms"]["p99"]
+
+
+def test_no_empty_plots(tmp_path: Path) -> None:
+    """A run that measured no server writes no latency plots, and one that measured nothing none at all."""
+    from bench.report import plots
+
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed")
+    assert plots({}, {}, tmp_path) == []
+    offline = {"conveyor/64": {"output_tokens_per_s": 200.0, "concurrency": 64}}
+    assert [Path(p).name for p in plots(offline, {"conveyor/64": {}}, tmp_path)] == ["throughput_vs_concurrency.png"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.errors import InvalidRequest
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["the quick brown fox", "hello there", "one two three"]
@@ -28,6 +29,23 @@ def test_outputs_in_vllm_shape(tiny_checkpoint: Path) -> None:
     llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1)
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids
+
+
+def test_n_choices_offline_in_vllm_shape(tiny_checkpoint: Path) -> None:
+    llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["hello", "the sky"], params, use_tqdm=False)
+    assert [len(out.outputs) for out in outs] == [3, 3]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1       # seed + j: the choices differ
+    again = llm.generate(["hello", "the sky"], params, use_tqdm=False)
+    assert [[c.token_ids for c in out.outputs] for out in again] == [[c.token_ids for c in out.outputs] for out in outs]
+    single = SamplingParams(temperature=1.0, seed=12, max_tokens=6, ignore_eos=True)
+    assert llm.generate(["hello"], single, use_tqdm=False)[0].token_ids == outs[0].outputs[1].token_ids
+    with pytest.raises(InvalidRequest):
+        SamplingParams(n=2, best_of=3)
+    with pytest.raises(InvalidRequest):
+        llm.engine.add_request("hi", SamplingParams(n=2))
 
 
 def test_chat_template_from_a_string_or_a_file(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -62,3 +62,26 @@ def test_default_model_name_drops_the_gguf_extension(tmp_path) -> None:
     folder = tmp_path / "my-model"
     folder.mkdir()
     assert default_model_name(folder) == "my-model"
+
+
+def test_help_shows_defaults_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+    assert "port to listen on (0 = any free port) (default: 8000)" in text
+    assert "tokens per KV block (default: 16)" in text
+    assert "(default: None)" not in text and text.count("(default: 2GiB)") == 1
+
+
+def test_sharing_and_batch_flags() -> None:
+    args = parse_args(["serve", "--tenant-weight", "alice=3", "--tenant-weight", "team=b=0.5",
+                       "--max-running-per-tenant", "4", "--max-priority-preemptions", "1",
+                       "--max-requests-per-tenant", "8", "--state-dir", "/tmp/x"])
+    options = engine_options(args)
+    assert options["tenant_weights"] == (("alice", 3.0), ("team=b", 0.5))
+    assert options["max_running_per_tenant"] == 4 and options["max_priority_preemptions"] == 1
+    assert args.max_requests_per_tenant == 8 and args.state_dir == "/tmp/x"
+    with pytest.raises(SystemExit):
+        engine_options(parse_args(["serve", "--tenant-weight", "alice"]))
+    batch = parse_args(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "-np", "4"])
+    assert batch.input_file == "in.jsonl" and batch.output_file == "out.jsonl" and batch.max_num_seqs == 4
