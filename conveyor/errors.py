@@ -39,6 +39,13 @@ class ModelNotFound(ConveyorError):
     code = "model_not_found"
 
 
+class NotFound(ConveyorError):
+    """An id (a file, a batch) that does not exist."""
+
+    status = 404
+    error_type = "not_found_error"
+
+
 class RequestTooLarge(ConveyorError):
     """An HTTP request body over the server's limit."""
 

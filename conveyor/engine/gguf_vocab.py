@@ -84,7 +84,9 @@ def tokenizer_from_gguf(path: str | Path | GGUFReader) -> Tokenizer:
     if isinstance(path, GGUFReader):
         reader, source = path, str(getattr(path.data, "filename", "GGUF"))
     else:
-        reader, source = GGUFReader(path), str(path)
+        from conveyor.model.loader import gguf_reader
+
+        reader, source = gguf_reader(Path(path)), str(path)
 
     def field(name: str, default: Any = None) -> Any:
         f = reader.fields.get(name)

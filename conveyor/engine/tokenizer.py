@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -259,7 +260,10 @@ def load_tokenizer(model_path: Path, chat_template: str | None = None) -> Tokeni
     `chat_template` (a Jinja file or the template text) replaces the checkpoint's; it is compiled
     here, so a template that does not parse stops the start-up with a ValueError naming it.
     """
+    started = time.perf_counter()
     tokenizer = Tokenizer.from_gguf(model_path) if model_path.is_file() else Tokenizer.from_hf_folder(model_path)
     if chat_template is not None:
         tokenizer.use_chat_template(read_chat_template(chat_template))
+    logger.info("tokenizer of %s loaded in %.2f s (%d tokens)", model_path.name, time.perf_counter() - started,
+                tokenizer.vocab_size)
     return tokenizer

@@ -129,4 +129,6 @@ def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> Kern
         os.replace(tmp, target)  # atomic: a concurrent builder never loads a half-written file
         logger.info("built the C kernels for %s in %.1f s -> %s", describe(features),
                     time.perf_counter() - started, target)
+    else:
+        logger.info("C kernels for %s from the cache: %s", describe(features), target)
     return KernelLibrary(ctypes.CDLL(str(target)), features, target)

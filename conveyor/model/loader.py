@@ -5,9 +5,11 @@ The tokenizer is not loaded here (see engine/tokenizer.py). Nothing is ever fetc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,6 +84,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
                        quantization)
         quantization = "none"
     gguf_weights: dict[str, QuantWeight] | None = {} if quantization == "gguf" else None
+    started = time.perf_counter()
     try:
         if path.is_file():
             arch, weights, freq_factors = _open_gguf(path, gguf_weights)
@@ -102,8 +105,9 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
     if kernel_library is not None:
         quantize_linears(model, kernel_library, quantization, gguf_weights)
         model.use_kernels(kernel_library)
-    logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s", path.name, arch.architecture,
-                arch.num_layers, arch.num_parameters / 1e6, dtype, device)
+    logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s in %.2f s", path.name,
+                arch.architecture, arch.num_layers, arch.num_parameters / 1e6, dtype, device,
+                time.perf_counter() - started)
     return model
 
 
@@ -192,12 +196,25 @@ def _open_hf_folder(folder: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.
 
 
 def _gguf_reader(path: Path):  # -> gguf.GGUFReader
-    import gguf
-
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf_reader(path)
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_reader(path: Path):  # -> gguf.GGUFReader
+    """A GGUF file's parsed metadata and mapped tensors, shared by the weights' and the tokenizer's
+    loaders: parsing the metadata (the vocabulary's arrays) takes seconds. Keyed by the file's
+    identity, so a rewritten file is parsed again."""
+    stat = path.stat()
+    return _parsed_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, mtime_ns: int, size: int):  # noqa: ARG001 - the key, not the input
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN201 - gguf has no typed API

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from conveyor.model.llama import ModelArch
@@ -18,7 +21,7 @@ class KVCache:
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", transposed_keys: bool = False) -> None:
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks, self.block_size, self.transposed_keys = num_blocks, block_size, transposed_keys
         k_shape = (num_blocks, arch.num_kv_heads, arch.head_dim, block_size) if transposed_keys else shape[2:]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
@@ -31,3 +34,19 @@ class KVCache:
     @classmethod
     def num_blocks_for(cls, arch: ModelArch, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
         return memory_bytes // cls.bytes_per_block(arch, block_size, dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lives in an anonymous mapping, which the OS hands out as zero
+    pages on first touch: writing gigabytes of zeros at start-up took seconds, and memory is only
+    committed for the blocks used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)   # the tensor keeps the mapping alive
+    if hasattr(mmap, "MADV_HUGEPAGE"):   # fewer page faults and TLB misses where the kernel allows it
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)

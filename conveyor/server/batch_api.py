@@ -11,26 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, File, Form, UploadFile
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
 
-from conveyor.errors import ConveyorError, InvalidRequest
+from conveyor.errors import InvalidRequest, NotFound
 from conveyor.server.batch_store import BatchStore, PendingLine
 from conveyor.server.run_batch import BATCH_URLS, BatchLine, result_line
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 BATCH_PRIORITY = 2**31          # below every interactive request that keeps the default priority 0
 _RETRY_S = 1.0                  # after a 429 / 503, before the line is tried again
 _RETRIED = (429, 503)
-
-
-class NotFound(ConveyorError):
-    status = 404
-    error_type = "not_found_error"
 
 
 class CreateBatch(BaseModel):
@@ -110,6 +106,12 @@ class BatchRunner:
                     self.store.batch(batch_id)["request_counts"])
 
 
+def _found(value: T | None, kind: str, ident: str, param: str | None = None) -> T:
+    if value is None:
+        raise NotFound(f"no {kind} {ident!r}", param=param or f"{kind}_id")
+    return value
+
+
 def add_batch_routes(app: FastAPI, store: BatchStore) -> None:
     """/v1/files and /v1/batches; the runner is app.state.batch_runner (started with the app)."""
 
@@ -126,25 +128,18 @@ def add_batch_routes(app: FastAPI, store: BatchStore) -> None:
 
     @app.get("/v1/files/{file_id}", tags=["batch"])
     async def get_file(file_id: str) -> dict[str, Any]:
-        found = store.file(file_id)
-        if found is None:
-            raise NotFound(f"no file {file_id!r}", param="file_id")
-        return found
+        return _found(store.file(file_id), "file", file_id)
 
     @app.get("/v1/files/{file_id}/content", tags=["batch"])
     async def file_content(file_id: str) -> Response:
-        content = store.file_content(file_id)
-        if content is None:
-            raise NotFound(f"no file {file_id!r}", param="file_id")
-        return Response(content, media_type="application/jsonl")
+        return Response(_found(store.file_content(file_id), "file", file_id), media_type="application/jsonl")
 
     @app.post("/v1/batches", tags=["batch"])
     async def create_batch(body: CreateBatch) -> dict[str, Any]:
         """Run an uploaded file's requests at a priority below interactive ones; results in output_file_id."""
         if body.endpoint not in BATCH_URLS:
             raise InvalidRequest(f"endpoint must be one of {', '.join(BATCH_URLS)}", param="endpoint")
-        if store.file(body.input_file_id) is None:
-            raise NotFound(f"no file {body.input_file_id!r}", param="input_file_id")
+        _found(store.file(body.input_file_id), "file", body.input_file_id, param="input_file_id")
         batch = store.add_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
         app.state.batch_runner.wake()
         return batch
@@ -155,17 +150,12 @@ def add_batch_routes(app: FastAPI, store: BatchStore) -> None:
 
     @app.get("/v1/batches/{batch_id}", tags=["batch"])
     async def get_batch(batch_id: str) -> dict[str, Any]:
-        found = store.batch(batch_id)
-        if found is None:
-            raise NotFound(f"no batch {batch_id!r}", param="batch_id")
-        return found
+        return _found(store.batch(batch_id), "batch", batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel", tags=["batch"])
     async def cancel_batch(batch_id: str) -> dict[str, Any]:
         """Lines not started stay unanswered; lines in flight finish; the partial output is kept."""
-        found = store.batch(batch_id)
-        if found is None:
-            raise NotFound(f"no batch {batch_id!r}", param="batch_id")
+        found = _found(store.batch(batch_id), "batch", batch_id)
         if found["status"] in ("validating", "in_progress"):
             store.set_status(batch_id, "cancelling")
             app.state.batch_runner.wake()
