@@ -278,7 +278,9 @@ class OpenAIServing:
         content: str | None = "".join(choice.text)
         calls: list[ToolCall] = []
         if body.effective_tool_choice != "none":
-            content, calls = parse_tool_calls(content or "")
+            parsed, calls = parse_tool_calls(content or "")
+            if calls:   # a reply without calls keeps its text as generated
+                content = parsed
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls)),
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
