@@ -161,11 +161,11 @@ class EngineCore:
             tenant=core_request.tenant,
             can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
+        if request.request_id in self._live:   # the scheduler does not see requests still compiling
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         generator = make_generator(params, self.device)
         if params.structured_outputs is not None:
             # Scheduled once its grammar is compiled, off the step path; the batch goes on meanwhile.
-            if request.request_id in self._live:
-                raise InvalidRequest(f"duplicate request id {request.request_id!r}")
             self.structured.submit(request.request_id, params.structured_outputs)
             self._compiling[request.request_id] = request
         else:
