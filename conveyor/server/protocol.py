@@ -18,10 +18,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     field_validator,
 )
 
 from conveyor.errors import InvalidRequest
+from conveyor.server.chat_tools import tool_choice_constraint
 from conveyor.sampling_params import (
     MAX_CHOICES,
     MAX_LOGPROBS,
@@ -152,6 +154,12 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="accepted: prefix caching is automatic, by content")
+    _constraint_field: str = PrivateAttr("structured_outputs")   # set by sampling_params, for compile errors
+
+    @property
+    def constraint_field(self) -> str:
+        """The field the request's output constraint came from (valid after sampling_params)."""
+        return self._constraint_field
 
     def check_fields(self) -> None:
         """400 for a field conveyor would otherwise ignore: an unsupported OpenAI field, or an unknown one."""
@@ -209,6 +217,7 @@ class _SamplingRequest(BaseModel):
         """Map to SamplingParams; a null field means the default. Raises InvalidRequest naming the field."""
         self.check_fields()
         structured, param = self.structured_output()
+        self._constraint_field = param
         try:
             return self._make_params(max_tokens, logprobs, structured)
         except InvalidRequest as exc:
@@ -383,8 +392,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
         """Besides the constraint fields, tool_choice required or a named function is a grammar."""
-        from conveyor.server.chat_tools import tool_choice_constraint
-
         constraint, param = super().structured_output()
         forced = tool_choice_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
         if forced is None:

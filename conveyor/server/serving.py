@@ -183,7 +183,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
-        await self.compile_grammar(params, body.structured_output()[1])
+        await self.compile_grammar(params, body.constraint_field)
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
@@ -250,7 +250,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
-        await self.compile_grammar(params, body.structured_output()[1])
+        await self.compile_grammar(params, body.constraint_field)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:

@@ -60,7 +60,7 @@ class PromptGroup:
         self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._siblings_started: set[int] = set() if n > 1 else set(range(0, self.num_prompts, n))
+        self._siblings_started: set[int] = set()   # first choices whose n - 1 siblings were started
         firsts = [i * n for i in range(len(prompt_token_ids))]
         self._start(firsts, engine.add(prompt_token_ids, params, [self._request_ids[k] for k in firsts], priority,
                                        tenant))
@@ -94,7 +94,7 @@ class PromptGroup:
         try:
             async with contextlib.aclosing(self._engine.outputs(request_id, queue)) as outputs:
                 async for output in outputs:
-                    if index % self.n == 0 and index not in self._siblings_started:
+                    if self.n > 1 and index % self.n == 0 and index not in self._siblings_started:
                         self._start_siblings(index)
                     self._outputs.put_nowait((index, output))
         except ConveyorError as exc:
