@@ -75,7 +75,7 @@ async def run_streams(base_url: str, num_streams: int, concurrency: int, disconn
 def wait_drained(base_url: str, timeout_s: float = 60.0) -> tuple[float, float]:
     deadline = time.monotonic() + timeout_s
     while True:
-        running, usage = gauge(base_url, "conveyor:num_requests_running"), gauge(base_url, "conveyor:kv_cache_usage_perc")
+        running, usage = gauge(base_url, "vllm:num_requests_running"), gauge(base_url, "vllm:kv_cache_usage_perc")
         if (running == 0 and usage == 0) or time.monotonic() > deadline:
             return running, usage
         time.sleep(0.2)

@@ -132,7 +132,8 @@ class EngineCore:
         self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
-                             scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."))
+                             scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
+                             enable_prefix_caching=cache_cfg.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
                     num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,
                     self.info.startup_s)
@@ -372,4 +373,5 @@ class EngineCore:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             tenant=request.tenant,
+            max_tokens=request.max_tokens,
         )

@@ -78,6 +78,7 @@ class CoreInfo:
     num_threads: int = 1             # torch intra-op threads the core computes with
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # in force, preset and flags applied
     dtype: str = "float32"           # the working dtype the core chose
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0        # guesses verified for it (speculative decoding)
     num_accepted_tokens: int = 0
     tenant: str = ""
+    max_tokens: int = 0              # resolved: what the request was allowed to generate
 
     @property
     def queue_time_s(self) -> float | None:

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server: the core's StepOutputs -> collectors.
 
-Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `conveyor:time_to_first_token_seconds`),
-so existing dashboards work after a prefix change. Each server owns its own `CollectorRegistry`,
+What vLLM also measures is exported under vLLM's name and `model_name` label, so its dashboards
+work unchanged (docs/grafana); metrics of our own carry a `conveyor:` prefix. Each server owns its own `CollectorRegistry`,
 so several servers in one process (tests) never clash. `observe` is an AsyncEngine step observer
 and runs on the event loop; it also writes the one log line per finished request.
 """
@@ -28,33 +28,49 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-METRIC_NAMES = (
-    "conveyor:time_to_first_token_seconds",
-    "conveyor:inter_token_latency_seconds",
-    "conveyor:request_queue_time_seconds",
-    "conveyor:e2e_request_latency_seconds",
-    "conveyor:num_requests_running",
-    "conveyor:num_requests_waiting",
-    "conveyor:kv_cache_usage_perc",
-    "conveyor:num_preemptions_total",
-    "conveyor:prompt_tokens_total",
-    "conveyor:generation_tokens_total",
-    "conveyor:prefix_cache_queries_total",
-    "conveyor:prefix_cache_hits_total",
-    "conveyor:request_success_total",
+# Metrics vLLM also exports carry its names, so its published Grafana dashboard fills; ours keep
+# a `conveyor:` prefix. Labelled metrics appear once observed: vllm:request_success_total,
+# vllm:spec_decode_num_accepted_tokens_per_pos{position} and conveyor:tenant_* (per tenant).
+VLLM_METRIC_NAMES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_max_tokens",
+    "vllm:iteration_tokens_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:cache_config_info",
+)
+CONVEYOR_METRIC_NAMES = (
     "conveyor:prefill_throughput_tokens_per_second",
     "conveyor:decode_throughput_tokens_per_second",
     "conveyor:avg_sequences_per_step",
     "conveyor:step_time_seconds",
     "conveyor:batch_config_info",
-    "conveyor:spec_decode_num_drafts_total",
-    "conveyor:spec_decode_num_draft_tokens_total",
-    "conveyor:spec_decode_num_accepted_tokens_total",
-)  # and, once a draft is accepted, conveyor:spec_decode_num_accepted_tokens_per_pos{position=...};
-# once a request finishes, conveyor:tenant_{requests,prompt_tokens,generation_tokens}_total and
-# conveyor:tenant_request_queue_time_seconds, labelled with its tenant.
+)
+METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
 
 # Tenants are named by clients: the first MAX_TENANT_LABELS get a label of their own, later ones
 # share TENANT_OVERFLOW_LABEL, so a client cannot grow the metrics without bound.
@@ -91,36 +107,62 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(model_name)
 
-        self.ttft = histogram("conveyor:time_to_first_token_seconds",
+        token_buckets = _one_two_five(engine.info.max_model_len)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Time from arrival to the first output token.", _TTFT_BUCKETS)
-        self.itl = histogram("conveyor:inter_token_latency_seconds",
+        self.itl = histogram("vllm:inter_token_latency_seconds",
                              "Time between successive output tokens of a request.", _ITL_BUCKETS)
-        self.queue_time = histogram("conveyor:request_queue_time_seconds",
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Time between successive output tokens (vLLM's older name of the inter-token latency).",
+                              _ITL_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Per request: decode time over output tokens after the first.", _ITL_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Time from arrival to first being scheduled.", _REQUEST_BUCKETS)
-        self.e2e = histogram("conveyor:e2e_request_latency_seconds",
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time from first being scheduled to the first output token.", _REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Time from the first output token to the last.", _REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time from first being scheduled to the last output token.", _REQUEST_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Time from arrival to the last output token, of finished requests.", _REQUEST_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                        token_buckets)
+        self.request_generation = histogram("vllm:request_generation_tokens", "Output tokens per finished request.",
+                                            token_buckets)
+        self.request_max_generation = histogram("vllm:request_max_num_generation_tokens",
+                                                "Output tokens a finished request was allowed (max_tokens, resolved).",
+                                                token_buckets)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "max_tokens of finished requests (resolved against the model length).",
+                                            token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                          _ITERATION_BUCKETS)
         self.step_time = histogram("conveyor:step_time_seconds", "Wall time of one engine step.", _STEP_BUCKETS)
-        self.num_running = gauge("conveyor:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("conveyor:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("conveyor:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.kv_usage_old = gauge("vllm:gpu_cache_usage_perc",
+                                  "Fraction of KV cache blocks in use (0..1), under vLLM's older name.")
         self.prefill_tps = gauge("conveyor:prefill_throughput_tokens_per_second",
                                  "Prompt tokens per second over prefill-only steps, since start.")
         self.decode_tps = gauge("conveyor:decode_throughput_tokens_per_second",
                                 "Decoded tokens per second over steps that decode, since start.")
         self.avg_rows = gauge("conveyor:avg_sequences_per_step", "Average sequences per engine step, since start.")
-        self.preemptions = counter("conveyor:num_preemptions_total", "Requests preempted to free KV blocks.")
-        self.prompt_tokens = counter("conveyor:prompt_tokens_total", "Prompt tokens of requests that finished.")
-        self.generation_tokens = counter("conveyor:generation_tokens_total", "Output tokens generated.")
-        self.prefix_queries = counter("conveyor:prefix_cache_queries_total",
+        self.preemptions = counter("vllm:num_preemptions_total", "Requests preempted to free KV blocks.")
+        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prompt tokens of requests that finished.")
+        self.generation_tokens = counter("vllm:generation_tokens_total", "Output tokens generated.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries_total",
                                       "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("conveyor:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
-        self.drafts = counter("conveyor:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
-        self.draft_tokens = counter("conveyor:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
-        self.accepted_tokens = counter("conveyor:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
-        self._accepted_per_pos = Counter("conveyor:spec_decode_num_accepted_tokens_per_pos",
+        self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.drafts = counter("vllm:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                          "Drafts whose guess at this position (0 = first) was accepted.",
                                          ["model_name", "position"], registry=r)
-        self._success = Counter("conveyor:request_success_total", "Finished requests by finish reason.",
+        self._success = Counter("vllm:request_success_total", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         tenant_labels = ["model_name", "tenant"]
         self._tenant_requests = Counter("conveyor:tenant_requests_total", "Finished requests per tenant.",
@@ -141,6 +183,11 @@ class ServerMetrics:
               registry=r).labels(model_name, "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g}",
                                  str(sched.max_num_seqs), str(sched.max_num_batched_tokens),
                                  str(sched.min_prefill_chunk)).set(1)
+        info = engine.info
+        Gauge("vllm:cache_config_info", "KV cache settings, as labels of a constant 1.",
+              labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+              registry=r).labels(model_name, str(info.block_size), str(info.num_kv_blocks), info.dtype,
+                                 str(info.enable_prefix_caching)).set(1)
 
     # ------------------------------------------------------------ event loop
 
@@ -161,6 +208,7 @@ class ServerMetrics:
                 last_s = self._last_token_s.get(request_id)
                 if last_s is not None:
                     self.itl.observe(now - last_s)
+                    self.tpot.observe(now - last_s)
                 self._last_token_s[request_id] = now
             if delta.finished:
                 self._last_token_s.pop(request_id, None)
@@ -190,9 +238,8 @@ class ServerMetrics:
     def _observe_step(self, step: StepStats) -> None:
         stats = self.stats
         self.step_time.observe(step.step_time_s)
-        self.num_running.set(step.num_running)
-        self.num_waiting.set(step.num_waiting)
-        self.kv_usage.set(step.kv_usage)
+        self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
+        self._set_load(step.num_running, step.num_waiting, step.kv_usage)
         if step.num_preemptions:
             self.preemptions.inc(step.num_preemptions)
         if step.num_prefix_query_tokens:
@@ -227,9 +274,21 @@ class ServerMetrics:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:
             self.e2e.observe(metrics.e2e_s)
-        decode_s = (metrics.finished_s - metrics.first_token_s
-                    if metrics.finished_s is not None and metrics.first_token_s is not None else 0.0)
+        self.request_prompt.observe(metrics.num_prompt_tokens)
+        self.request_generation.observe(metrics.num_output_tokens)
+        self.request_max_generation.observe(metrics.max_tokens)
+        self.request_max_tokens.observe(metrics.max_tokens)
+        scheduled_s, first_token_s, finished_s = metrics.first_scheduled_s, metrics.first_token_s, metrics.finished_s
+        if scheduled_s is not None and first_token_s is not None:
+            self.prefill_time.observe(first_token_s - scheduled_s)
+        if scheduled_s is not None and finished_s is not None:
+            self.inference_time.observe(finished_s - scheduled_s)
+        decode_s = finished_s - first_token_s if finished_s is not None and first_token_s is not None else 0.0
+        if first_token_s is not None and finished_s is not None:
+            self.decode_time.observe(decode_s)
         rate = (metrics.num_output_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        if metrics.num_output_tokens > 1:
+            self.request_tpot.observe(decode_s / (metrics.num_output_tokens - 1))
         level = logging.WARNING if output.error else logging.INFO
         logger.log(level, "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
                    "queue %s, TTFT %s, e2e %s, decode %.1f tokens/s, %d preemptions%s%s",
@@ -251,9 +310,13 @@ class ServerMetrics:
     def refresh_load(self) -> None:
         # The core reports its load after every command it applies, so this is current even when idle.
         load = self.engine.load
-        self.num_running.set(load.num_running)
-        self.num_waiting.set(load.num_waiting)
-        self.kv_usage.set(load.kv_usage)
+        self._set_load(load.num_running, load.num_waiting, load.kv_usage)
+
+    def _set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        self.kv_usage_old.set(kv_usage)
 
     def render(self) -> bytes:
         self.refresh_load()
@@ -267,6 +330,17 @@ class _StatsWindow:
     started_s: float
     prompt_tokens: int = 0
     generation_tokens: int = 0
+
+
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 def _seconds(value: float | None) -> str:

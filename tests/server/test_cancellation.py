@@ -14,8 +14,8 @@ LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
 def idle(server: RunningServer) -> bool:
     values = metrics(server.base_url)
-    return (values["conveyor:num_requests_running"] == 0 and values["conveyor:num_requests_waiting"] == 0
-            and values["conveyor:kv_cache_usage_perc"] == 0.0)
+    return (values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+            and values["vllm:kv_cache_usage_perc"] == 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -34,15 +34,15 @@ def test_streaming_disconnect_aborts(tiny_server: RunningServer) -> None:
                 while not next(lines).startswith("data: "):
                     pass
             during = metrics(base)
-            assert during["conveyor:num_requests_running"] == 1
-            assert during["conveyor:kv_cache_usage_perc"] > 0
+            assert during["vllm:num_requests_running"] == 1
+            assert during["vllm:kv_cache_usage_perc"] > 0
         wait_for(lambda: idle(tiny_server), 10, "running to drop to 0 and KV usage to return to idle")
         num_steps = len(steps)
         after = metrics(base)
-    assert after["conveyor:kv_cache_usage_perc"] == before["conveyor:kv_cache_usage_perc"] == 0.0
+    assert after["vllm:kv_cache_usage_perc"] == before["vllm:kv_cache_usage_perc"] == 0.0
     assert num_steps < 100, "the request ran on after its client left"
     # Aborted, not finished: no end-to-end latency was recorded for it.
-    assert after["conveyor:e2e_request_latency_seconds_count"] == before["conveyor:e2e_request_latency_seconds_count"]
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
     assert not tiny_server.engine.scheduler.requests
 
 
@@ -58,7 +58,7 @@ def test_streaming_chat_disconnect_aborts(tiny_server: RunningServer) -> None:
                     pass
         wait_for(lambda: idle(tiny_server), 10, "running to drop to 0 and KV usage to return to idle")
     after = metrics(base)
-    assert after["conveyor:e2e_request_latency_seconds_count"] == before["conveyor:e2e_request_latency_seconds_count"]
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
 
 
 def test_non_streaming_disconnect_aborts(tiny_server: RunningServer) -> None:
@@ -73,7 +73,7 @@ def test_non_streaming_disconnect_aborts(tiny_server: RunningServer) -> None:
         num_steps = len(steps)
     assert num_steps < 100, "the request ran on after its client left"
     after = metrics(base)
-    assert after["conveyor:e2e_request_latency_seconds_count"] == before["conveyor:e2e_request_latency_seconds_count"]
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

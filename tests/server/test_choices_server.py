@@ -35,7 +35,7 @@ def test_n_seeded_choices_differ_are_reproducible_and_share_the_prompt(server: R
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
     assert len({c.text for c in first.choices}) > 1
     assert first.usage.completion_tokens == 4 * 12
-    hits = after["conveyor:prefix_cache_hits_total"] - before["conveyor:prefix_cache_hits_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     assert hits >= 3 * 32   # the three later choices found the prompt's full blocks cached
     again = client.completions.create(model=server.model_name, prompt=PROMPT, n=4, max_tokens=12, seed=5,
                                       temperature=1.0, extra_body={"ignore_eos": True})

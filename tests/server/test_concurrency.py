@@ -65,4 +65,4 @@ def test_16_concurrent_streaming_clients_match_each_alone(real_server: RunningSe
     assert not mismatches, f"concurrent output differs from alone: {mismatches}"
     assert "Paris" in alone[0]
     values = metrics(real_server.base_url)
-    assert values["conveyor:num_requests_running"] == 0 and values["conveyor:kv_cache_usage_perc"] == 0.0
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:kv_cache_usage_perc"] == 0.0

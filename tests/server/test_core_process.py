@@ -94,7 +94,7 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
         with httpx.stream("POST", f"{base}/v1/completions", timeout=30,
                           json={"prompt": "bye", "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
             next(response.iter_lines())
-        wait_for(lambda: metrics(base)["conveyor:num_requests_running"] == 0, 10, "the aborted request to go")
+        wait_for(lambda: metrics(base)["vllm:num_requests_running"] == 0, 10, "the aborted request to go")
         os.killpg(process.pid, signal.SIGINT)   # as Ctrl-C does: the core gets it too, and must not die of it
         exit_code = process.wait(timeout=30)
     finally:

@@ -169,7 +169,7 @@ def test_queue_full_is_429_while_others_are_served(queue_server: RunningServer) 
                     pass  # the first token: this request holds the only batch slot
                 waiting = asyncio.create_task(http.post("/v1/completions", json={
                     "prompt": "hello", "max_tokens": 5, "ignore_eos": True}))
-                await asyncio.to_thread(wait_for, lambda: metrics(base)["conveyor:num_requests_waiting"] == 1,
+                await asyncio.to_thread(wait_for, lambda: metrics(base)["vllm:num_requests_waiting"] == 1,
                                         10.0, "the second request to wait")
                 refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 assert_error(refused, 429, "rate_limit_error", code="queue_full")
@@ -225,4 +225,4 @@ def test_failed_step_is_a_500_and_the_server_goes_on(tiny_server: RunningServer)
     finally:
         del runner.execute
     assert post(tiny_server, "/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
-    assert metrics(tiny_server.base_url)["conveyor:num_requests_running"] == 0
+    assert metrics(tiny_server.base_url)["vllm:num_requests_running"] == 0

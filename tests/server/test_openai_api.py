@@ -221,12 +221,20 @@ def test_models_health_metrics(client: openai.OpenAI, tiny_server: RunningServer
     for name in METRIC_NAMES:
         assert f"\n{name}" in text, name
     values = metrics(tiny_server.base_url)
-    assert values["conveyor:generation_tokens_total"] >= 3
-    assert values["conveyor:e2e_request_latency_seconds_count"] >= 1
-    assert values["conveyor:inter_token_latency_seconds_count"] >= 2
+    assert values["vllm:generation_tokens_total"] >= 3
+    assert values["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert values["vllm:inter_token_latency_seconds_count"] >= 2
     assert values["conveyor:decode_throughput_tokens_per_second"] > 0
     assert values["conveyor:avg_sequences_per_step"] >= 1
-    assert values["conveyor:kv_cache_usage_perc"] == 0.0 and values["conveyor:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0.0 and values["vllm:num_requests_running"] == 0
+    # The per-request histograms vLLM's dashboard reads, for the one request of 3 tokens.
+    assert values["vllm:time_per_output_token_seconds_count"] == values["vllm:inter_token_latency_seconds_count"]
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_max_num_generation_tokens"):
+        assert values[f"vllm:{name}_count"] >= 1, name
+    assert values["vllm:request_generation_tokens_sum"] >= 3 and values["vllm:request_params_max_tokens_sum"] >= 3
+    assert values["vllm:iteration_tokens_total_sum"] >= values["vllm:generation_tokens_total"]
 
 
 def test_openapi_document(tiny_server: RunningServer) -> None:

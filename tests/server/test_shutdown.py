@@ -136,7 +136,7 @@ def test_grace_period_over_fails_requests_with_a_clear_error(tiny_checkpoint: Pa
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 10
-        while metrics(running.base_url)["conveyor:num_requests_running"] < 2:
+        while metrics(running.base_url)["vllm:num_requests_running"] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         started = time.monotonic()
@@ -165,7 +165,7 @@ def test_during_the_grace_period_health_and_new_requests_get_503(tiny_checkpoint
     with slow_steps(running.engine, 0.1):
         thread = threading.Thread(target=stream)
         thread.start()
-        wait_for(lambda: metrics(running.base_url)["conveyor:num_requests_running"] == 1, 10, "the stream to run")
+        wait_for(lambda: metrics(running.base_url)["vllm:num_requests_running"] == 1, 10, "the stream to run")
         running.server.should_exit = True                       # what SIGTERM does
         wait_for(lambda: httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503, 10,
                  "/health to turn 503")

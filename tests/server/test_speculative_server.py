@@ -46,7 +46,7 @@ def test_drafts_are_counted(spec_server: RunningServer) -> None:
     spec = client_for(spec_server)
     spec.completions.create(model=spec_server.model_name, prompt=PROMPTS[0], max_tokens=24, **GREEDY)
     values = metrics(spec_server.base_url)
-    assert values["conveyor:spec_decode_num_drafts_total"] > 0
-    assert values["conveyor:spec_decode_num_draft_tokens_total"] >= values["conveyor:spec_decode_num_drafts_total"]
-    accepted = values["conveyor:spec_decode_num_accepted_tokens_total"]
-    assert accepted > 0 and values["conveyor:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total"] >= values["vllm:spec_decode_num_drafts_total"]
+    accepted = values["vllm:spec_decode_num_accepted_tokens_total"]
+    assert accepted > 0 and values["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
