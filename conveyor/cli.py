@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -60,12 +61,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                        help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
                             "request, verified by the model in the same step (outputs unchanged; default: off)")
-    group.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
-                       help="most guessed tokens per decode")
-    group.add_argument("--ngram-prompt-lookup-min", type=int, default=SpeculativeConfig.ngram_prompt_lookup_min,
-                       help="shortest tail of the context looked up for a guess")
-    group.add_argument("--ngram-prompt-lookup-max", type=int, default=SpeculativeConfig.ngram_prompt_lookup_max,
-                       help="longest tail looked up (tried first)")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help=f"most guessed tokens per decode (default {SpeculativeConfig.num_speculative_tokens})")
+    group.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
+                       help=f"shortest tail of the context looked up for a guess "
+                            f"(default {SpeculativeConfig.ngram_prompt_lookup_min})")
+    group.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
+                       help=f"longest tail looked up, tried first (default {SpeculativeConfig.ngram_prompt_lookup_max})")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='vLLM\'s spelling of the four flags above, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
                        help="a tenant's share of the batch relative to others (default 1), repeatable; the tenant "
                             "is a request's X-Tenant header or OpenAI user field")
@@ -85,11 +90,40 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
-        "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-        "ngram_prompt_lookup_min": args.ngram_prompt_lookup_min, "ngram_prompt_lookup_max": args.ngram_prompt_lookup_max,
+        **speculative_options(args),
         "tenant_weights": tenant_weights(args.tenant_weight),
         **_given(args, "max_running_per_tenant", "max_priority_preemptions"),
     }
+
+
+# vLLM's --speculative-config keys -> ours; a draft model ("model") is not one of them.
+_SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
+                            "prompt_lookup_min": "ngram_prompt_lookup_min",
+                            "prompt_lookup_max": "ngram_prompt_lookup_max"}
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    """The speculative flags, or their --speculative-config JSON (not both)."""
+    flags = {"speculative": args.speculative, **_given(args, "num_speculative_tokens", "ngram_prompt_lookup_min",
+                                                        "ngram_prompt_lookup_max")}
+    if args.speculative_config is None:
+        return flags
+    if args.speculative is not None or len(flags) > 1:
+        raise SystemExit("conveyor: error: give --speculative-config or the separate speculative flags, not both")
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"conveyor: error: --speculative-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit("conveyor: error: --speculative-config takes a JSON object")
+    unknown = sorted(set(config) - set(_SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise SystemExit(f"conveyor: error: --speculative-config: unsupported key(s) {', '.join(unknown)} "
+                         f"(supported: {', '.join(_SPECULATIVE_CONFIG_KEYS)}; the only method is n-gram lookup)")
+    if config.get("method") not in SPECULATIVE_METHODS:
+        raise SystemExit(f"conveyor: error: --speculative-config: method must be one of "
+                         f"{', '.join(SPECULATIVE_METHODS)}, got {config.get('method')!r}")
+    return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in config.items()}
 
 
 def tenant_weights(flags: list[str]) -> tuple[tuple[str, float], ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conveyor import __version__
@@ -51,6 +53,22 @@ def test_speculative_flags() -> None:
     assert (options["speculative"], options["num_speculative_tokens"], options["ngram_prompt_lookup_min"],
             options["ngram_prompt_lookup_max"]) == ("ngram", 6, 1, 3)
     assert engine_options(parse_args(["serve"]))["speculative"] is None
+
+
+def test_speculative_config_json_is_vllms_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    options = engine_options(parse_args(["serve", "--speculative-config", config]))
+    assert (options["speculative"], options["num_speculative_tokens"], options["ngram_prompt_lookup_min"],
+            options["ngram_prompt_lookup_max"]) == ("ngram", 5, 1, 3)
+    defaults = engine_options(parse_args(["serve", "--speculative-config", '{"method": "ngram"}']))
+    assert defaults["speculative"] == "ngram" and "num_speculative_tokens" not in defaults   # the config's default
+    for bad, says in [('{"method": "draft_model", "model": "x"}', "unsupported key(s) model"),
+                      ('{"method": "eagle"}', "method must be one of ngram"),
+                      ('{"method": "ngram"', "not JSON"), ('["ngram"]', "a JSON object")]:
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            engine_options(parse_args(["serve", "--speculative-config", bad]))
+    with pytest.raises(SystemExit, match="not both"):
+        engine_options(parse_args(["serve", "--speculative-config", config, "--num-speculative-tokens", "2"]))
 
 
 def test_default_model_name_drops_the_gguf_extension(tmp_path) -> None:
