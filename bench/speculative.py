@@ -100,13 +100,17 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--ngram-prompt-lookup-min", type=int, default=None, help="(default: the engine's)")
+    p.add_argument("--ngram-prompt-lookup-max", type=int, default=None, help="(default: the engine's)")
     p.add_argument("--repetitions", type=int, default=2, help="runs of each side, alternating; the best counts")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     # No prefix caching: a repetition must not find the previous one's prompts cached.
     base = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "4GiB", "max_num_seqs": 64,
             "enable_prefix_caching": False}
-    spec = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    spec = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            **{name: getattr(args, name) for name in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max")
+               if getattr(args, name) is not None}}
     print(f"CPU: {report.machine()}", flush=True)
     workloads = [(f"repeat-{n}", repeat_prompts(args.single_requests if n == 1 else n), True, n == 1)
                  for n in map(int, args.batches.split(","))]
