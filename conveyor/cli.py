@@ -47,6 +47,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-prefill-chunk", type=int, default=None,
                        help="prompt tokens a decoding step still takes when decodes alone miss the target "
                             "(balanced: 32)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split every layer over this many processes (gloo, on this machine); it pays where a "
+                            "model does not fit one process's memory or there are more cores than one rank uses")
     group.add_argument("--max-model-len", "-c", type=int, default=None,
                        help="longest prompt + output (default: the model's)")
     group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
@@ -84,7 +87,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "chat_template": args.chat_template, "quantization": args.quantization, "threads": args.threads, "device": args.device,
+        "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "chat_template": args.chat_template, "quantization": args.quantization, "threads": args.threads,
+        "tensor_parallel_size": args.tensor_parallel_size, "device": args.device,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,

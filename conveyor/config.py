@@ -50,10 +50,15 @@ class ModelConfig:
     quantization: str = "none"        # one of QUANTIZATIONS
     seed: int | None = None           # seeds the generator of requests without a seed of their own
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
+    tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and (self.quantization != "none" or self.device != "cpu"):
+            raise ValueError("tensor_parallel_size > 1 runs float weights on the CPU (gloo): drop the quantization "
+                             "and device options")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

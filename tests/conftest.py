@@ -60,6 +60,11 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64},
     )),
+    # 6 heads over 3 KV heads: two tensor-parallel ranks cannot split the KV heads evenly.
+    "llama_kv3": ("LlamaForCausalLM", "LlamaConfig", dict(
+        _COMMON, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=2,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(
         _COMMON, num_hidden_layers=2, tie_word_embeddings=True, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},

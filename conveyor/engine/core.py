@@ -41,14 +41,17 @@ from conveyor.engine.structured_output import StructuredOutputs, grammar_compile
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path
+from conveyor.model.sharding import Shard
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
+from conveyor.runtime.tensor_parallel import GlooCollectives, TensorParallelRunner, WorkerLost, WorkerSpec, free_port, start_workers
 from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
 
 _IDLE_COMPILE_WAIT_S = 0.01
+_TP_TIMEOUT_S = 60.0   # a rank that does not answer a collective for this long is taken for dead
 
 
 @dataclass(slots=True)
@@ -91,8 +94,20 @@ class EngineCore:
         self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library,
                                        quantized=config.model.quantization != "none")
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        tp = config.model.tensor_parallel_size
+        comm, workers = None, []
+        if tp > 1:   # the workers load their shards while this rank loads its own
+            num_threads = max(1, num_threads // tp)
+            spec = WorkerSpec(str(self.model_path), str(self.dtype).removeprefix("torch."), num_threads, tp,
+                              free_port(), _TP_TIMEOUT_S, logging.getLogger().getEffectiveLevel())
+            workers = start_workers(spec)
+            comm = GlooCollectives(0, tp, spec.port, spec.timeout_s)
+            torch.set_num_threads(num_threads)   # the ranks share the cores: more threads would spin on them
+            if self.kernel_library is not None:
+                kernels.threads.set_num_threads(num_threads)
+            logger.info("tensor parallel: %d ranks (gloo on loopback), %d threads each", tp, num_threads)
         self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library,
-                                            config.model.quantization)
+                                            config.model.quantization, Shard(0, tp) if tp > 1 else None, comm)
         if self.model.kernels is not None:
             # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
             # sampling), and its OpenMP workers would spin beside the pool's after each of them.
@@ -118,9 +133,10 @@ class EngineCore:
                     if spec.speculative == "ngram" else None)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model,
                                    proposer, spec.num_speculative_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = (TensorParallelRunner(self.model, self.kv_cache, self.device, comm, workers) if comm is not None
+                       else ModelRunner(self.model, self.kv_cache, self.device))
         self.sampler = Sampler(self.device)
-        self.structured = StructuredOutputs(grammar_compiler(self.model_path, arch.vocab_size), num_threads)
+        self.structured = StructuredOutputs(grammar_compiler(self.model_path, self.model.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
@@ -129,7 +145,7 @@ class EngineCore:
         self._rejected: list[tuple[str, ConveyorError]] = []
         self._has_news = False                   # commands applied since the last StepOutputs
         self._num_added = 0                      # requests taken from ADD commands since then
-        self.info = CoreInfo(vocab_size=arch.vocab_size, max_model_len=self.max_model_len,
+        self.info = CoreInfo(vocab_size=self.model.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
@@ -234,14 +250,23 @@ class EngineCore:
             for request_id, stop in command.stops:
                 self.finish(request_id, FinishReason.STOP, stop)
 
+    def close(self) -> None:
+        """Stop what the core started beside itself (tensor-parallel workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_news(self) -> bool:
         """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
         return self._has_news or bool(self._pending) or bool(self._rejected)
 
     def step_or_fail(self) -> StepOutputs:
-        """`step`, except that a bug outside the model run fails every request instead of the caller."""
+        """`step`, except that a bug outside the model run fails every request instead of the caller.
+        A lost tensor-parallel rank (WorkerLost) is raised: the core cannot go on."""
         try:
             return self.step()
+        except WorkerLost:
+            raise   # no step can run any more: the core stops, and its front fails every request (503)
         except Exception as exc:
             logger.exception("engine step failed; failing all %d requests", len(self._live))
             deltas = self._pending
@@ -277,6 +302,8 @@ class EngineCore:
         try:
             deltas += self._run(plan, drafts)
             failed = False
+        except WorkerLost:
+            raise
         except Exception as exc:  # a failed step fails its own requests; the engine goes on
             logger.exception("step failed; failing its %d requests", len(plan.rows))
             deltas += self._fail(plan, f"internal error while running the model: {exc}")

@@ -47,19 +47,22 @@ def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand]
     `receive(timeout_s)` returns the commands that arrived within timeout_s (none is fine); it
     waits only when the core has nothing to run, so a busy core never sleeps.
     """
-    while True:
-        commands = receive(0.0 if core.has_unfinished_requests() else IDLE_WAIT_S)
-        if commands is None:
-            return
-        for command in commands:
-            if isinstance(command, Shutdown):
+    try:
+        while True:
+            commands = receive(0.0 if core.has_unfinished_requests() else IDLE_WAIT_S)
+            if commands is None:
                 return
-            core.handle(command)
-        has_news = core.has_news()
-        if core.has_unfinished_requests() or has_news:
-            outputs = core.step_or_fail()
-            if has_news or outputs.step is not None or outputs.deltas:   # an empty plan owes nothing
-                send(outputs)
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    return
+                core.handle(command)
+            has_news = core.has_news()
+            if core.has_unfinished_requests() or has_news:
+                outputs = core.step_or_fail()
+                if has_news or outputs.step is not None or outputs.deltas:   # an empty plan owes nothing
+                    send(outputs)
+    finally:
+        core.close()
 
 
 class ThreadCoreClient:

@@ -31,6 +31,7 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.core_client import DeathHandler, OutputsHandler, run_busy_loop
 from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown
 from conveyor.errors import ModelLoadError
+from conveyor.runtime.tensor_parallel import WorkerLost
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
         run_busy_loop(core, receive, conn.send)
     except (BrokenPipeError, ConnectionResetError):
         logger.info("the front went away; engine core exiting")
+    except WorkerLost as exc:   # the front sees the exit and fails every request in flight
+        logger.error("engine core stopping: %s", exc)
+        conn.close()
+        logging.shutdown()
+        os._exit(1)
     # The front waits for this exit; the interpreter's teardown of torch would only delay it.
     conn.close()
     logging.shutdown()

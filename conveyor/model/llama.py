@@ -124,6 +124,11 @@ class LlamaModel(nn.Module):
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (a tensor-parallel shard's arch counts only its own rows)."""
+        return self.arch.vocab_size
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -150,7 +155,7 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             decoder_kernel.run_layer(self.kernels, x, layer.fused, step, k_cache, v_cache, scratch)
 
-    def use_kernels(self, lib: KernelLibrary) -> None:
+    def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each
         decoder layer as one C call when all of it can run there. Call after load_weights; float32 and
         bfloat16 only. The C layers need the attention kernel's metadata (`meta.kernel`) to run."""
@@ -165,7 +170,7 @@ class LlamaModel(nn.Module):
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             # The embedding keeps its own table for lookups; the packed copy serves the logits.
             self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
-        if all([layer.fuse() for layer in self.layers]):
+        if fuse and all([layer.fuse() for layer in self.layers]):
             self.kernels = lib
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -21,7 +21,9 @@ from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary, quant
 from conveyor.kernels.quant import QuantWeight
 from conveyor.model.llama import LlamaModel, ModelArch
+from conveyor.model.parallel_llama import Collectives, ParallelLlamaModel
 from conveyor.model.quant import quantize_linears
+from conveyor.model.sharding import Shard, layout, local_arch, shard_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +73,13 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               kernel_library: KernelLibrary | None = None, quantization: str = "none") -> LlamaModel:
+               kernel_library: KernelLibrary | None = None, quantization: str = "none",
+               shard: Shard | None = None, comm: Collectives | None = None) -> LlamaModel:
     """Build the model for a resolved path and fill in its weights; with a kernel library, the
-    linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py)."""
+    linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py).
+    With a shard (and its rank's collectives), only that rank's slice of every tensor is kept."""
+    if shard is not None and quantization != "none":
+        raise ModelLoadError("tensor parallelism runs float weights: drop the quantization option")
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "gguf" and not path.is_file():
@@ -90,8 +96,16 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
             arch, weights, freq_factors = _open_gguf(path, gguf_weights)
         else:
             arch, weights, freq_factors = _open_hf_folder(path)
-        with torch.device("meta"):
-            model = LlamaModel(arch, freq_factors).to(dtype=dtype)
+        if shard is not None and comm is not None:
+            full_arch = arch
+            arch = local_arch(full_arch, shard)
+            weights = ((name, shard_tensor(name, tensor, full_arch, shard)) for name, tensor in weights)
+            with torch.device("meta"):
+                model = ParallelLlamaModel(arch, full_arch.vocab_size, layout(full_arch, shard).vocab.start, comm,
+                                           freq_factors).to(dtype=dtype)
+        else:
+            with torch.device("meta"):
+                model = LlamaModel(arch, freq_factors).to(dtype=dtype)
         model = model.to_empty(device=device)
         model.rotary.inv_freq = model.rotary.inv_freq.to(device)
         model.load_weights(weights)

@@ -167,6 +167,11 @@ class FakeCore:
         self.left: dict[str, int] = {}
         self.handled: list[type] = []
         self.news = False
+        self.fatal_error: str | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)
@@ -211,3 +216,4 @@ def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> N
     assert [[d.finished for d in s.deltas] for s in sent] == [[False], [True], []]
     assert timeouts == [IDLE_WAIT_S, 0.0, IDLE_WAIT_S, IDLE_WAIT_S, IDLE_WAIT_S]   # waits only when idle
     assert core.handled == [AddRequests, AbortRequests]
+    assert core.closed   # what the core started beside itself stops with the loop
