@@ -45,7 +45,15 @@ from conveyor.model.sharding import Shard
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
-from conveyor.runtime.tensor_parallel import GlooCollectives, TensorParallelRunner, WorkerLost, WorkerSpec, free_port, start_workers
+from conveyor.runtime.tensor_parallel import (
+    GlooCollectives,
+    TensorParallelRunner,
+    WorkerLost,
+    WorkerSpec,
+    free_port,
+    start_workers,
+    stop_workers,
+)
 from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
@@ -101,13 +109,19 @@ class EngineCore:
             spec = WorkerSpec(str(self.model_path), str(self.dtype).removeprefix("torch."), num_threads, tp,
                               free_port(), _TP_TIMEOUT_S, logging.getLogger().getEffectiveLevel())
             workers = start_workers(spec)
-            comm = GlooCollectives(0, tp, spec.port, spec.timeout_s)
             torch.set_num_threads(num_threads)   # the ranks share the cores: more threads would spin on them
             if self.kernel_library is not None:
                 kernels.threads.set_num_threads(num_threads)
             logger.info("tensor parallel: %d ranks (gloo on loopback), %d threads each", tp, num_threads)
-        self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device, self.kernel_library,
-                                            config.model.quantization, Shard(0, tp) if tp > 1 else None, comm)
+        try:
+            if tp > 1:
+                comm = GlooCollectives(0, tp, spec.port, spec.timeout_s)
+            self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device,
+                                                self.kernel_library, config.model.quantization,
+                                                Shard(0, tp) if tp > 1 else None, comm)
+        except BaseException:
+            stop_workers(workers)
+            raise
         if self.model.kernels is not None:
             # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
             # sampling), and its OpenMP workers would spin beside the pool's after each of them.

@@ -93,6 +93,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_workers(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        worker.kill()
+        worker.wait()
+
+
 def start_workers(spec: WorkerSpec) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "conveyor.runtime.tensor_parallel", str(rank),
                               json.dumps(asdict(spec))])
@@ -117,8 +123,9 @@ class TensorParallelRunner(ModelRunner):
         try:
             self.comm.broadcast_object(plan)
             return super().execute(plan)
-        except RuntimeError as exc:   # gloo reports a peer that went away as a RuntimeError
-            raise WorkerLost(f"tensor-parallel collective failed: {exc}") from exc
+        except Exception as exc:   # a gloo error for a peer that went away, or a failure on this rank:
+            # either way the other ranks are left inside a collective, so no further step can agree.
+            raise WorkerLost(f"a tensor-parallel step failed, the ranks are out of step: {exc}") from exc
 
     def close(self, timeout_s: float = 10.0) -> None:
         if all(worker.poll() is None for worker in self.workers):
