@@ -8,6 +8,7 @@ thread, or alone in its own process (`core_process.py`); all three drive it thro
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from conveyor.runtime.tensor_parallel import (
     TensorParallelRunner,
     WorkerLost,
     WorkerSpec,
+    create_shm_segment,
     free_port,
     start_workers,
     stop_workers,
@@ -107,7 +109,8 @@ class EngineCore:
         if tp > 1:   # the workers load their shards while this rank loads its own
             num_threads = max(1, num_threads // tp)
             spec = WorkerSpec(str(self.model_path), str(self.dtype).removeprefix("torch."), num_threads, tp,
-                              free_port(), _TP_TIMEOUT_S, logging.getLogger().getEffectiveLevel())
+                              free_port(), _TP_TIMEOUT_S, logging.getLogger().getEffectiveLevel(),
+                              create_shm_segment(tp) if self.device.type == "cpu" else None)
             workers = start_workers(spec)
             torch.set_num_threads(num_threads)   # the ranks share the cores: more threads would spin on them
             if self.kernel_library is not None:
@@ -115,12 +118,14 @@ class EngineCore:
             logger.info("tensor parallel: %d ranks (gloo on loopback), %d threads each", tp, num_threads)
         try:
             if tp > 1:
-                comm = GlooCollectives(0, tp, spec.port, spec.timeout_s)
+                comm = GlooCollectives(0, tp, spec.port, spec.timeout_s, spec.shm_path)
             self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device,
                                                 self.kernel_library, config.model.quantization,
                                                 Shard(0, tp) if tp > 1 else None, comm)
         except BaseException:
             stop_workers(workers)
+            if tp > 1 and spec.shm_path is not None and os.path.exists(spec.shm_path):
+                os.unlink(spec.shm_path)
             raise
         if self.model.kernels is not None:
             # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,

@@ -42,6 +42,8 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     lib.gemm_isa.argtypes = []
     lib.mask_logits.restype = None
     lib.mask_logits.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P]
+    lib.shm_allreduce.restype = ctypes.c_int
+    lib.shm_allreduce.argtypes = [_P, _I64, _P, _I64, _INT, _INT, _I64, _P, _I64]
     return built
 
 

@@ -144,9 +144,14 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
 
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> None:
-    """Store this step's keys and values, (T, KV, D) each, at their slots of the caches."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    """Store this step's keys and values, (T, KV, D) each, at their slots of the caches. For the C
+    kernel the keys are transposed, (num_blocks, KV, D, block_size): written through a permuted view."""
+    _, block_size, num_kv_heads, head_dim = v_cache.shape
+    if meta.kernel is not None:
+        blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        k_cache.permute(0, 3, 1, 2)[blocks, offsets] = k.to(k_cache.dtype)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from conveyor.kernels import KernelLibrary
+from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.llama import LlamaModel, ModelArch
 
@@ -41,8 +42,12 @@ class ParallelLlamaModel(LlamaModel):
         return self.full_vocab_size
 
     def use_kernels(self, lib: KernelLibrary, fuse: bool = False) -> None:
-        # The fused one-call layer has no place for the all-reduce between attention and MLP.
+        # The fused one-call layer has no place for the all-reduce between attention and MLP; the
+        # layers run module by module (packed matmuls, and the C attention kernel: `kernels` set
+        # makes the runner plan for it). This forward never takes LlamaModel's fused path.
         super().use_kernels(lib, fuse=False)
+        if self.embed_tokens.weight.dtype in KERNEL_DTYPES:
+            self.kernels = lib
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         total = partial.float()

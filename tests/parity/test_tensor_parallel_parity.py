@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, kernels
 
 PROMPTS = ["hello world", "the capital of France", "def main():\n", "a b c d e f g", "user: hi"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -27,6 +27,8 @@ def test_two_ranks_give_the_tokens_of_one(name: str, tiny_checkpoint_factory: Ca
     path = str(tiny_checkpoint_factory(name))
     want = greedy_tokens(LLM(path, threads=1, **ENGINE), PROMPTS)
     parallel = LLM(path, threads=2, tensor_parallel_size=2, **ENGINE)
+    if kernels.library() is not None:   # the hidden states are summed in shared memory, not over TCP
+        assert parallel.engine.core.runner.comm.shm is not None
     try:
         assert greedy_tokens(parallel, PROMPTS) == want                 # a batch, prompts prefilled together
         assert [greedy_tokens(parallel, [p])[0] for p in PROMPTS[:2]] == want[:2]   # one at a time
