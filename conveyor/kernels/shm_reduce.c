@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
@@ -34,9 +35,24 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* A process that exited but is not yet reaped (a killed child of ours) still answers kill(pid, 0):
+ * its state in /proc says Z (zombie) or X (dead). */
+static int process_alive(pid_t pid) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 1;   /* no /proc: trust kill() */
+    size_t len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[len] = 0;
+    const char *close_paren = strrchr(buf, ')');
+    return !(close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
+}
+
 static int peers_alive(const int64_t *pids, int world, int rank) {
     for (int r = 0; r < world; r++)
-        if (r != rank && kill((pid_t)pids[r], 0) != 0 && errno == ESRCH) return 0;
+        if (r != rank && !process_alive((pid_t)pids[r])) return 0;
     return 1;
 }
 
