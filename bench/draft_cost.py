@@ -12,7 +12,6 @@ shows the ceiling: (1 + accepted guesses) tokens per request over the step time 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -58,11 +57,8 @@ def main() -> None:
             per_guess = (best - base) / (batch * k) if k else 0.0
             print(f"{batch:3d} requests, {k} guesses each: {best * 1e3:7.2f} ms"
                   + (f" (+{per_guess * 1e3:.2f} ms per guess)" if k else ""), flush=True)
-    out = args.out_dir / f"draft-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(out, {"command": "python -m bench.draft_cost " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None),
-                            "options": vars(args) | {"out_dir": str(args.out_dir)}, "step_seconds": results})
-    print(f"JSON: {out}")
+    report.save_run("draft-cost", args.out_dir, {"options": vars(args) | {"out_dir": str(args.out_dir)},
+                                                 "step_seconds": results})
 
 
 if __name__ == "__main__":

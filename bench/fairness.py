@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -81,15 +80,9 @@ def main() -> None:
     ratio = best["fair"]["a_output_tokens_per_s"] / best["fcfs"]["a_output_tokens_per_s"]
     print(f"B's time to first token: {best['fcfs']['b_ttft_s']:.2f} s first come first served, "
           f"{best['fair']['b_ttft_s']:.2f} s fair; A's throughput fair / fcfs: {ratio:.3f}x")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / f"fairness-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.fairness " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None), "options": options,
-                            "burst": args.burst, "prompt_tokens": args.prompt_tokens,
-                            "output_tokens": args.output_tokens, "runs": runs, "best": best,
-                            "a_throughput_ratio": ratio})
-    print(f"JSON: {out}")
+    report.save_run("fairness", args.out_dir, {"options": options, "burst": args.burst,
+                                               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+                                               "runs": runs, "best": best, "a_throughput_ratio": ratio})
 
 
 if __name__ == "__main__":

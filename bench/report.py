@@ -8,6 +8,8 @@ import math
 import os
 import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,6 +221,18 @@ def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> 
         plt.close(fig)
         files.append(str(path))
     return files
+
+
+def save_run(name: str, out_dir: Path, fields: dict, llama_commit: str | None = None) -> Path:
+    """Write a focused bench's run to <out_dir>/<name>-<time>.json with the command that ran it, the
+    machine and the versions in front of `fields`; print and return the path."""
+    main = sys.modules["__main__"]
+    module = main.__spec__.name if getattr(main, "__spec__", None) else Path(sys.argv[0]).stem
+    out = out_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(out, {"command": " ".join(["python -m", module.removesuffix(".__main__"), *sys.argv[1:]]),
+                     "machine": machine(), "versions": versions(llama_commit), **fields})
+    print(f"JSON: {out}")
+    return out
 
 
 def write_json(path: Path, document: dict) -> None:

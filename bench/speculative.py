@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-import sys
 import time
 from pathlib import Path
 
@@ -142,13 +141,8 @@ def main() -> None:
               f"{off['output_tokens_per_s']:6.1f} -> {on['output_tokens_per_s']:6.1f} tok/s, {ratio:.2f}x | "
               f"acceptance {on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}) | "
               f"mismatches={mismatches}", flush=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / f"speculative-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.speculative " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None),
-                            "options": {**base, **spec}, "output_tokens": args.output_tokens, "results": results})
-    print(f"JSON: {out}")
+    report.save_run("speculative", args.out_dir, {"options": {**base, **spec}, "output_tokens": args.output_tokens,
+                                                  "results": results})
 
 
 if __name__ == "__main__":

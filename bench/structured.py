@@ -13,7 +13,6 @@ request; each is timed from add to its first token, best of --repetitions.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -116,14 +115,9 @@ def main() -> None:
           f"(finish reasons {best['half_schema']['finish_reasons']})", flush=True)
     first = ttft(llm, args.repetitions + 1)
     print("first token, idle engine: " + ", ".join(f"{name} {f['best_s'] * 1e3:.1f} ms" for name, f in first.items()))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / f"structured-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.structured " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None), "options": options,
-                            "output_tokens": args.output_tokens, "max_length": args.max_length,
-                            "throughput": {"runs": runs, "ratio": ratio}, "first_token": first})
-    print(f"JSON: {out}")
+    report.save_run("structured", args.out_dir, {"options": options, "output_tokens": args.output_tokens,
+                                                 "max_length": args.max_length,
+                                                 "throughput": {"runs": runs, "ratio": ratio}, "first_token": first})
 
 
 if __name__ == "__main__":

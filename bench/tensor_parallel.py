@@ -11,7 +11,6 @@ requests whose tokens differ printed (float32 should give 0; bfloat16 sums in an
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -68,11 +67,8 @@ def main() -> None:
               f"mismatches={mismatches}", flush=True)
     for llm in engines.values():
         llm.engine.core.close()
-    out = args.out_dir / f"tensor-parallel-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(out, {"command": "python -m bench.tensor_parallel " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None), "options": base,
-                            "output_tokens": args.output_tokens, "results": results})
-    print(f"JSON: {out}")
+    report.save_run("tensor-parallel", args.out_dir, {"options": base, "output_tokens": args.output_tokens,
+                                                      "results": results})
 
 
 if __name__ == "__main__":
