@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,17 +73,26 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         pending: dict[str, _Pending] = {}
         order: list[list[str]] = []      # per prompt, its choices' request ids
+        # With prefix caching, a prompt's other n - 1 choices join once its first has computed the
+        # prompt (its first output), so they find it cached instead of computing it n times.
+        stagger = self.engine.core.info.enable_prefix_caching
+        siblings: dict[str, list[tuple[Prompt, SamplingParams, str]]] = {}
         try:
             for prompt, params in zip(prompts, params_list):
                 ids = []
                 for j in range(params.n):   # choice j samples with seed + j, as the server's choices do
                     seed = None if params.seed is None else (params.seed + j) % 2**64
                     choice = dataclasses.replace(params, n=1, best_of=None, seed=seed)
-                    request_id = self.engine.add_request(prompt, choice)
+                    if j > 0 and stagger:
+                        request_id = uuid.uuid4().hex
+                        siblings[ids[0]].append((prompt, choice, request_id))
+                    else:
+                        request_id = self.engine.add_request(prompt, choice)
+                        siblings[request_id] = []
                     pending[request_id] = _Pending(prompt)
                     ids.append(request_id)
                 order.append(ids)
-            results = self._run(pending, use_tqdm)
+            results = self._run(pending, siblings, use_tqdm)
         except BaseException:
             for request_id in pending:
                 self.engine.abort_request(request_id)
@@ -108,12 +118,16 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, pending: dict[str, _Pending], use_tqdm: bool | Callable[..., Any]) -> dict[str, CompletionOutput]:
+    def _run(self, pending: dict[str, _Pending], siblings: dict[str, list[tuple[Prompt, SamplingParams, str]]],
+             use_tqdm: bool | Callable[..., Any]) -> dict[str, CompletionOutput]:
+        """Step until every pending request finished; `siblings` join when their first choice's first output comes."""
         results: dict[str, CompletionOutput] = {}
         progress = _progress_bar(len(pending), use_tqdm)
         try:
             while len(results) < len(pending):
                 for output in self.engine.step():
+                    for prompt, params, request_id in siblings.pop(output.request_id, ()):
+                        self.engine.add_request(prompt, params, request_id=request_id)
                     self._collect(pending, results, output)
                     if output.finished and progress is not None:
                         progress.update(1)

@@ -31,6 +31,19 @@ def test_outputs_in_vllm_shape(tiny_checkpoint: Path) -> None:
     assert out.outputs[0].text == out.text and out.outputs[0].token_ids == out.token_ids
 
 
+def test_n_choices_offline_compute_the_prompt_once(tiny_checkpoint: Path) -> None:
+    llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1, block_size=16)
+    prompt = list(range(10, 74))   # four full blocks
+    stats = llm.engine.core.stats
+    before = (stats.num_prefill_tokens, stats.num_prefix_hit_tokens)
+    outs = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs) == 3
+    # The two later choices find the first's blocks cached: 64 prompt tokens computed, not 3 x 64.
+    assert stats.num_prefix_hit_tokens - before[1] >= 2 * 48
+    assert stats.num_prefill_tokens - before[0] <= 64 + 2 * 16
+
+
 def test_n_choices_offline_in_vllm_shape(tiny_checkpoint: Path) -> None:
     llm = LLM(str(tiny_checkpoint), kv_cache_memory="32MiB", threads=1)
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
