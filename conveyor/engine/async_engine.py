@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from conveyor.engine.admission import check_request
 from conveyor.engine.core_client import CoreClient
@@ -26,7 +27,7 @@ from conveyor.engine.messages import (
     StepOutputs,
 )
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.structured_output import GrammarCompiler
+from conveyor.engine.structured_output import GrammarCompiler, grammar_compiler
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
 from conveyor.sampling_params import SamplingParams
@@ -48,8 +49,10 @@ class AsyncEngine:
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
-        # Grammars are compiled here first, so that one that does not compile is refused before it starts.
-        self.grammars = GrammarCompiler(lambda: tokenizer, self.info.vocab_size)
+        # Grammars are compiled here first, so that one that does not compile is refused before it starts;
+        # a core in this process shares the cache (the process's compiler for the model), so only once.
+        self.grammars = (grammar_compiler(Path(self.info.model_path), self.info.vocab_size, lambda: tokenizer)
+                         if self.info.model_path else GrammarCompiler(lambda: tokenizer, self.info.vocab_size))
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
         self.observers: list[StepObserver] = []

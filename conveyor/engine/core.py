@@ -168,7 +168,7 @@ class EngineCore:
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
-                             enable_prefix_caching=cache_cfg.enable_prefix_caching)
+                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
                     num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,
                     self.info.startup_s)

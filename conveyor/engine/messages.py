@@ -79,6 +79,7 @@ class CoreInfo:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # in force, preset and flags applied
     dtype: str = "float32"           # the working dtype the core chose
     enable_prefix_caching: bool = True
+    model_path: str = ""             # resolved: the front's grammar cache is keyed on it, as the core's is
 
 
 @dataclass(slots=True)

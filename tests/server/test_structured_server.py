@@ -68,6 +68,10 @@ def chat(client: openai.OpenAI, messages=ASK, max_tokens: int = 80, **kwargs):
                                           **kwargs).choices[0]
 
 
+def test_front_and_in_process_core_share_one_grammar_cache(server: RunningServer) -> None:
+    assert server.server.async_engine.grammars is server.engine.core.structured.compiler
+
+
 def test_json_mode_parses(client: openai.OpenAI) -> None:
     choice = chat(client, [{"role": "user", "content": "Give me a JSON object about a cat."}], max_tokens=150,
                   response_format={"type": "json_object"})
