@@ -22,8 +22,12 @@ from conveyor.server.serving import OpenAIServing
 _THREAD_DECODE_TOKENS = 16384
 
 
+# Strict like the completion requests: true is not a token id, "1" is not a string's worth of text.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = None
     prompt: str | None = None
@@ -47,7 +51,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = None
     tokens: list[int]

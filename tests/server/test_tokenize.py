@@ -42,6 +42,8 @@ def test_bad_input_gets_clear_errors(tiny_server: RunningServer) -> None:
     outside = post(tiny_server, "/detokenize", {"tokens": [1, 10**9]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
     assert post(tiny_server, "/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post(tiny_server, "/detokenize", {"tokens": [True]}).status_code == 400   # not coerced to 1
+    assert post(tiny_server, "/tokenize", {"prompt": "a", "add_special_tokens": "yes"}).status_code == 400
     wrong = post(tiny_server, "/tokenize", {"prompt": "a", "model": "nope"})
     assert wrong.status_code == 404 and wrong.json()["error"]["type"] == "not_found_error"
 
