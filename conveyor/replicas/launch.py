@@ -23,13 +23,17 @@ logger = logging.getLogger(__name__)
 APP_NAME = "conveyor"
 
 
-def connect_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Join the cluster at `address`, or start a Ray of our own that listens on loopback only."""
+def connect_ray(address: str | None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """Join the cluster at `address`, or start a Ray of our own that listens on loopback only.
+
+    `log_to_driver`: print the replicas' logs (Ray Serve's access log among them) here too.
+    """
     if address is not None:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=log_to_driver)
         return
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING)
+             logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
 def deploy(config: EngineConfig, server: ServerConfig, replicas: ReplicaConfig) -> None:
