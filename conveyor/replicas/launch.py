@@ -46,9 +46,10 @@ def deploy(config: EngineConfig, server: ServerConfig, replicas: ReplicaConfig) 
 
 def run_replicas(config: EngineConfig, server: ServerConfig, replicas: ReplicaConfig) -> int:
     """Serve until SIGTERM or Ctrl-C, then shut the application down (replicas finish their requests)."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     connect_ray(replicas.ray_address)
+    stop = threading.Event()
+    # After ray.init, which installs handlers of its own that end the process at once.
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         deploy(config, server, replicas)
         logger.info("serving %s on http://%s:%d with %s replicas", APP_NAME, server.host, server.port,
