@@ -152,3 +152,14 @@ def test_call_app_relays_messages_and_tells_the_app_when_the_caller_left() -> No
     assert (REPLICA_HEADER, b"r1") in done[0]["headers"]
     assert b"".join(m.get("body", b"") for m in done) == b"hi/p"
     assert first[-1]["body"] == b"wait/w" and _disconnects == ["/w"]
+
+
+def test_serve_flags_make_a_replica_config() -> None:
+    from conveyor.cli import parse_args, serve_configs
+
+    assert serve_configs(parse_args(["serve"]))[2] is None
+    _, server, replicas = serve_configs(parse_args(["serve", "--replicas", "3", "--max-replicas", "5",
+                                                    "--ray-address", "auto", "--port", "9000"]))
+    assert replicas == ReplicaConfig(num_replicas=3, max_replicas=5, ray_address="auto") and server.port == 9000
+    _, _, replicas = serve_configs(parse_args(["serve", "--min-replicas", "2", "--max-replicas", "4"]))
+    assert (replicas.num_replicas, replicas.lower_bound, replicas.upper_bound) == (2, 2, 4)
