@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -28,7 +29,7 @@ from starlette.types import Message
 
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
 from conveyor.engine.tokenizer import load_tokenizer
-from conveyor.errors import RequestTimeout, RequestTooLarge, Unauthorized
+from conveyor.errors import ConveyorError, QueueFull, RequestTimeout, RequestTooLarge, Unauthorized
 from conveyor.model.loader import resolve_model_path
 from conveyor.replicas.http_bridge import ForwardedRequest, RelayResponse, ReplicaLost, call_app
 from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
@@ -129,7 +130,7 @@ class ConveyorIngress:
         stream = _replica_errors(self.engine.serve_http.remote(forwarded, **{ROUTING_KEY_ARG: self.prefix.key(path, body)}))
         try:
             first = await anext(stream)
-        except ReplicaLost as exc:
+        except ConveyorError as exc:
             return error_response(exc)
         except StopAsyncIteration:
             return error_response(ReplicaLost("the replica ended the request without a response"))
@@ -161,6 +162,10 @@ async def _replica_errors(stream: DeploymentResponseGenerator) -> AsyncIterator[
         async for messages in stream:
             yield messages
         finished = True
+    except BackPressureError:
+        finished = True
+        raise QueueFull("every replica is at capacity and the router's queue is full (--max-waiting-requests); "
+                        "retry later") from None
     except (RayActorError, ActorUnavailableError) as exc:
         finished = True
         raise ReplicaLost(f"the replica serving this request died: {type(exc).__name__}") from exc
@@ -191,6 +196,8 @@ def build_application(config: EngineConfig, server: ServerConfig, replicas: Repl
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                   request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
                                                   request_routing_stats_timeout_s=_STATS_TIMEOUT_S),
+        # --max-waiting-requests bounds the router's queue too (Serve's least is 1); past it a 429.
+        max_queued_requests=-1 if server.max_waiting_requests is None else max(1, server.max_waiting_requests),
         graceful_shutdown_timeout_s=server.shutdown_grace_s + 5,
         **scaling,
     ).bind(config, server, hub, replicas.metrics_push_interval_s)

@@ -45,3 +45,12 @@ def test_serve_run_builder_takes_the_serve_flags() -> None:
     engine = ingress._bound_deployment.init_args[0]._bound_deployment
     config = engine.init_args[0]
     assert engine.num_replicas == 2 and config.model.model == "/models/m.gguf" and config.scheduler.max_num_seqs == 4
+
+
+def test_max_waiting_requests_bounds_the_routers_queue() -> None:
+    def queued(server: ServerConfig) -> int:
+        ingress = build_application(EngineConfig(), server, ReplicaConfig(num_replicas=2))._bound_deployment
+        return ingress.init_args[0]._bound_deployment._deployment_config.max_queued_requests
+
+    assert queued(ServerConfig()) == -1
+    assert queued(ServerConfig(max_waiting_requests=8)) == 8 and queued(ServerConfig(max_waiting_requests=0)) == 1

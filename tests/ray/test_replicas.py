@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +61,10 @@ def cluster(tiny_checkpoint: Path) -> Iterator[Cluster]:
         ray.shutdown()
 
 
-def _complete(cluster: Cluster, prompt: str, max_tokens: int = 4) -> str:
+def _complete(cluster: Cluster, prompt: str, max_tokens: int = 4, ignore_eos: bool = False) -> str:
     raw = cluster.client().completions.with_raw_response.create(model=cluster.model, prompt=prompt,
-                                                                max_tokens=max_tokens)
+                                                                max_tokens=max_tokens,
+                                                                extra_body={"ignore_eos": ignore_eos})
     assert raw.parse().choices[0].finish_reason in ("length", "stop")
     return raw.headers[REPLICA]
 
@@ -122,6 +123,40 @@ def test_one_metrics_endpoint_shows_every_replica(cluster: Cluster) -> None:
     assert all(s.labels["model_name"] == cluster.model for s in samples["vllm:num_requests_running"])
 
 
+def _replica_value(cluster: Cluster, sample_name: str, replica: str) -> float:
+    return sum(s.value for samples in _metrics(cluster).values() for s in samples
+               if s.name == sample_name and s.labels.get("replica") == replica)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_client_leaving_mid_stream_aborts_its_request_on_the_replica(cluster: Cluster) -> None:
+    prefix = "Disconnect check, a prompt several blocks long. "
+    started = time.monotonic()
+    replica = _complete(cluster, prefix + "warm up", max_tokens=180, ignore_eos=True)
+    full_request_s = time.monotonic() - started
+    _wait_for(lambda: _replica_value(cluster, "vllm:e2e_request_latency_seconds_count", replica) > 0, 10,
+              "the warm-up to show in the replica's metrics")
+    time.sleep(1.5)   # three metrics pushes: the warm-up is counted by now
+    finished = _replica_value(cluster, "vllm:e2e_request_latency_seconds_count", replica)
+    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", timeout=30,
+                      json={"model": cluster.model, "prompt": prefix + "go on", "max_tokens": 180,
+                            "ignore_eos": True, "stream": True}) as response:
+        assert response.headers[REPLICA] == replica
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    # Had it gone on, the request would finish within twice a whole one's time, and count as finished.
+    time.sleep(2 * full_request_s + 1.0)
+    assert _replica_value(cluster, "vllm:num_requests_running", replica) == 0
+    assert _replica_value(cluster, "vllm:e2e_request_latency_seconds_count", replica) == finished
+
+
 def test_killed_replica_fails_its_requests_and_the_other_serves(cluster: Cluster) -> None:
     prefix = "Story time, chapter one, the long road north. "   # a few blocks, so the stream follows the warm-up
     victim = _complete(cluster, prefix + "warm up")
@@ -136,12 +171,11 @@ def test_killed_replica_fails_its_requests_and_the_other_serves(cluster: Cluster
             pass
     assert time.monotonic() - started < 30
     # New requests go to the surviving replica, the prefix's one included, while Ray replaces the dead one.
-    for i in range(3):
-        assert _complete(cluster, prefix + f"after the kill {i}") != victim
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = serve.status().applications["conveyor"].deployments["ConveyorEngine"]
-        if status.replica_states.get("RUNNING", 0) == 2:
-            break
-        time.sleep(1)
-    assert status.replica_states.get("RUNNING", 0) == 2, status
+    survivors = {_complete(cluster, prefix + f"after the kill {i}") for i in range(3)}
+    assert victim not in survivors and len(survivors) == 1
+
+    def replaced() -> bool:
+        samples = _metrics(cluster).get("vllm:num_requests_running", [])
+        return bool({s.labels["replica"] for s in samples} - survivors - {victim})
+
+    _wait_for(replaced, 90, "Ray to start a replacement replica")
