@@ -280,8 +280,8 @@ class ReplicaConfig:
     num_replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
-    target_ongoing_requests: int | None = None   # None: the engine's max_num_seqs, so a replica scales once requests wait
-    ray_address: str | None = None               # None: a Ray of our own on this machine; "auto" or HOST:PORT: a cluster
+    target_ongoing_requests: int | None = None   # None: max_num_seqs, so replicas are added once requests wait
+    ray_address: str | None = None               # None: a Ray of our own, on loopback; "auto" or HOST:PORT: a cluster
     metrics_push_interval_s: float = 2.0         # how often each replica sends its /metrics to the merged one
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ clients get exactly a single server's API, streaming and errors.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _ROUTING_STATS_PERIOD_S = 1.0     # how often replicas report running + waiting to the router
 _STATS_TIMEOUT_S = 5.0
+_THREAD_KEY_BYTES = 64 * 1024
 _INGRESS_MAX_ONGOING = 10_000     # the ingress only relays; the engines' own limits answer overload
 
 
@@ -110,12 +112,13 @@ class ConveyorIngress:
         self.engine = engine.options(stream=True)
         self.hub = hub
         self.server = server
-        self.expected_auth = f"Bearer {server.api_key}" if server.api_key is not None else None
+        self.expected_auth = f"Bearer {server.api_key}".encode()   # used only with protect_metrics, which needs a key
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics":
-            if self.server.protect_metrics and request.headers.get("authorization") != self.expected_auth:
+            given = request.headers.get("authorization", "").encode()
+            if self.server.protect_metrics and not hmac.compare_digest(given, self.expected_auth):
                 return error_response(Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'"))
             return Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
         try:
@@ -127,7 +130,10 @@ class ConveyorIngress:
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      list(request.scope["headers"]), body,
                                      tuple(request.client) if request.client else None)
-        stream = _replica_errors(self.engine.serve_http.remote(forwarded, **{ROUTING_KEY_ARG: self.prefix.key(path, body)}))
+        # A big body (JSON, a long chat through its template) is keyed off the event loop.
+        key = (self.prefix.key(path, body) if len(body) <= _THREAD_KEY_BYTES
+               else await asyncio.to_thread(self.prefix.key, path, body))
+        stream = _replica_errors(self.engine.serve_http.remote(forwarded, **{ROUTING_KEY_ARG: key}))
         try:
             first = await anext(stream)
         except ConveyorError as exc:

@@ -138,7 +138,8 @@ class RelayResponse(Response):
                 raise   # a body cut short: closing the connection is all that is left
             return
         if not started:
-            await error_response(ConveyorError("the replica ended the request without a response"))(scope, receive, send)
+            empty = ConveyorError("the replica ended the request without a response")
+            await error_response(empty)(scope, receive, send)
         elif not finished:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
