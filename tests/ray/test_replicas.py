@@ -161,14 +161,20 @@ def test_killed_replica_fails_its_requests_and_the_other_serves(cluster: Cluster
     prefix = "Story time, chapter one, the long road north. "   # a few blocks, so the stream follows the warm-up
     victim = _complete(cluster, prefix + "warm up")
     actor = ray.get_actor(victim, namespace="serve")
-    stream = cluster.client().completions.create(model=cluster.model, prompt=prefix + "go on", max_tokens=180,
-                                                 stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
-    ray.kill(actor, no_restart=True)
-    started = time.monotonic()
-    with pytest.raises(openai.APIError, match="died"):
-        for _ in stream:
-            pass
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # In flight on the victim too: one without streaming, whose response has not started.
+        whole = pool.submit(_complete, cluster, prefix + "a whole answer", 180, True)
+        stream = cluster.client().completions.create(model=cluster.model, prompt=prefix + "go on", max_tokens=180,
+                                                     stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        ray.kill(actor, no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(openai.APIError, match="died"):
+            for _ in stream:
+                pass
+        with pytest.raises(openai.InternalServerError, match="died") as failed:
+            whole.result(timeout=30)
+    assert failed.value.status_code == 503 and failed.value.body["type"] == "service_unavailable"
     assert time.monotonic() - started < 30
     # New requests go to the surviving replica, the prefix's one included, while Ray replaces the dead one.
     survivors = {_complete(cluster, prefix + f"after the kill {i}") for i in range(3)}
