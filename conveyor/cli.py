@@ -11,7 +11,17 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from conveyor import __version__
-from conveyor.config import BATCH_PRESETS, DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, CacheConfig, SpeculativeConfig
+from conveyor.config import (
+    BATCH_PRESETS,
+    DTYPES,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ReplicaConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from conveyor.errors import ConveyorError
 
 logger = logging.getLogger("conveyor.cli")
@@ -83,6 +93,23 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="times a running request may give its place to a better-priority one (default 3)")
     group.add_argument("--log-level", default=None,
                        help="DEBUG, INFO, WARNING (default: WARNING for generate, INFO for serve)")
+
+
+def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas", "several engines behind one HTTP endpoint, as a Ray Serve "
+                                                  "deployment (needs: pip install 'conveyor[ray]')")
+    group.add_argument("--replicas", type=int, default=None,
+                       help="engines to run (the starting count when autoscaling; default: one engine, no Ray)")
+    group.add_argument("--min-replicas", type=int, default=None,
+                       help="autoscale: fewest engines Ray Serve keeps (default 1 when --max-replicas is given)")
+    group.add_argument("--max-replicas", type=int, default=None,
+                       help="autoscale: most engines Ray Serve starts (default: --replicas)")
+    group.add_argument("--target-ongoing-requests", type=int, default=None,
+                       help="autoscale: requests in flight per engine Ray Serve aims for; above it, it adds "
+                            "engines (default: --max-num-seqs, so engines are added once requests wait)")
+    group.add_argument("--ray-address", default=None,
+                       help="the Ray cluster to deploy on: auto, or HEAD_HOST:6379 (default: start Ray on this "
+                            "machine, on loopback only)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -225,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "with the same requests gives the same answers (default: random)")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
                        help="run the engine core on a thread of the server process instead of a process of its own")
+    _add_replica_flags(serve)
     _add_engine_flags(serve)
     serve.set_defaults(subparser=serve)
 
@@ -298,10 +326,8 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    from conveyor.config import EngineConfig, ServerConfig
-    from conveyor.server.serve import run_server
-
+def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, ReplicaConfig | None]:
+    """The serve flags as configs; the replica config is None unless a replica flag was given."""
     config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name,
                                        seed=args.seed)
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -312,6 +338,27 @@ def serve(args: argparse.Namespace) -> int:
                           enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
                           state_dir=args.state_dir)
+    replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
+                     args.ray_address)
+    if all(flag is None for flag in replica_flags):
+        return config, server, None
+    num_replicas = args.replicas if args.replicas is not None else max(1, args.min_replicas or 1)
+    replicas = ReplicaConfig(num_replicas=num_replicas, min_replicas=args.min_replicas,
+                             max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+                             ray_address=args.ray_address)
+    return config, server, replicas
+
+
+def serve(args: argparse.Namespace) -> int:
+    config, server, replicas = serve_configs(args)
+    if replicas is not None:
+        try:
+            from conveyor.replicas.launch import run_replicas
+        except ImportError as exc:
+            raise ValueError(f"--replicas needs Ray Serve: pip install 'conveyor[ray]' ({exc})") from None
+        return run_replicas(config, server, replicas)
+    from conveyor.server.serve import run_server
+
     return run_server(config, server)
 
 

@@ -39,6 +39,10 @@ class CoreClient(Protocol):
         """Stop the core once nothing is in flight; returns when it is gone."""
         ...
 
+    def kill(self) -> None:
+        """Make sure the core is gone, whatever state it is in (after `close`, or instead of it)."""
+        ...
+
 
 def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand] | None],
                   send: OutputsHandler) -> None:
@@ -104,3 +108,6 @@ class ThreadCoreClient:
         self._commands.put(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+
+    def kill(self) -> None:
+        """Nothing to kill: the core thread is a daemon and ends with `close` or with the process."""

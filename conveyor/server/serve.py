@@ -20,6 +20,7 @@ import socket
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
@@ -69,13 +70,9 @@ class ConveyorServer(uvicorn.Server):
         return self.servers[0].sockets[0].getsockname()[1]
 
 
-def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = None, model_name: str | None = None,
-                 server: ServerConfig = ServerConfig()) -> ConveyorServer:
-    """A server over a core client; given an LLMEngine, its core runs on a thread of this process."""
-    if isinstance(client, LLMEngine):
-        engine = client
-        client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
-    assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
+def build_app_over(client: CoreClient, tokenizer: Tokenizer, model_name: str,
+                   server: ServerConfig = ServerConfig()) -> tuple[AsyncEngine, FastAPI]:
+    """The AsyncEngine front over a core client, and the app that serves it (without uvicorn)."""
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests,
                                max_requests_per_tenant=server.max_requests_per_tenant)
     app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
@@ -83,6 +80,17 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
                     protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
                     max_concurrency=server.max_concurrency, stats_log_interval_s=server.stats_log_interval_s,
                     state_dir=None if server.state_dir is None else Path(server.state_dir))
+    return async_engine, app
+
+
+def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = None, model_name: str | None = None,
+                 server: ServerConfig = ServerConfig()) -> ConveyorServer:
+    """A server over a core client; given an LLMEngine, its core runs on a thread of this process."""
+    if isinstance(client, LLMEngine):
+        engine = client
+        client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
+    assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
+    async_engine, app = build_app_over(client, tokenizer, model_name, server)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
@@ -91,27 +99,37 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     return ConveyorServer(config, async_engine, server.shutdown_grace_s)
 
 
-def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
-    """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown).
+def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> tuple[CoreClient, Tokenizer, str]:
+    """Load the model into a core (its own process with `server.core_process`, else a thread's) and
+    return its client, the tokenizer and the served model name; the caller kills the client at the end.
 
     The waiting-queue bound is applied at the door (429) rather than inside the scheduler, so a
     request that was admitted is never refused mid-stream.
     """
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_waiting_requests=None))
-    if server.core_process:
-        from conveyor.engine.core_process import ProcessCoreClient
+    if not server.core_process:
+        engine = LLMEngine(config)
+        return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
+    from conveyor.engine.core_process import ProcessCoreClient
 
-        model_path = resolve_model_path(config.model.model)
-        client = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
-        try:
-            tokenizer = load_tokenizer(model_path, config.model.chat_template)   # while the core loads the weights
-            client.wait_ready()
-            model_name = config.model.served_model_name or default_model_name(model_path)
-            uvicorn_server = build_server(client, tokenizer, model_name, server)
-            return _run(uvicorn_server)
-        finally:
-            client.kill()   # a no-op after a clean shutdown; never leave the core behind
-    return _run(build_server(LLMEngine(config), server=server))
+    model_path = resolve_model_path(config.model.model)
+    client = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
+    try:
+        tokenizer = load_tokenizer(model_path, config.model.chat_template)   # while the core loads the weights
+        client.wait_ready()
+    except BaseException:
+        client.kill()
+        raise
+    return client, tokenizer, config.model.served_model_name or default_model_name(model_path)
+
+
+def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
+    """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown)."""
+    client, tokenizer, model_name = start_core(config, server)
+    try:
+        return _run(build_server(client, tokenizer, model_name, server))
+    finally:
+        client.kill()   # a no-op after a clean shutdown; never leave the core behind
 
 
 def _run(uvicorn_server: ConveyorServer) -> int:
