@@ -8,7 +8,6 @@ thread, or alone in its own process (`core_process.py`); all three drive it thro
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,26 +41,15 @@ from conveyor.engine.structured_output import StructuredOutputs, grammar_compile
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path
-from conveyor.model.sharding import Shard
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
-from conveyor.runtime.tensor_parallel import (
-    GlooCollectives,
-    TensorParallelRunner,
-    WorkerLost,
-    WorkerSpec,
-    create_shm_segment,
-    free_port,
-    start_workers,
-    stop_workers,
-)
+from conveyor.runtime.tensor_parallel import TensorParallelRunner, WorkerLost, load_rank0
 from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
 
 _IDLE_COMPILE_WAIT_S = 0.01
-_TP_TIMEOUT_S = 60.0   # a rank that does not answer a collective for this long is taken for dead
 
 
 @dataclass(slots=True)
@@ -106,27 +94,12 @@ class EngineCore:
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         tp = config.model.tensor_parallel_size
         comm, workers = None, []
-        if tp > 1:   # the workers load their shards while this rank loads its own
+        if tp > 1:   # the ranks share the cores: more threads each would spin on them
             num_threads = max(1, num_threads // tp)
-            spec = WorkerSpec(str(self.model_path), str(self.dtype).removeprefix("torch."), num_threads, tp,
-                              free_port(), _TP_TIMEOUT_S, logging.getLogger().getEffectiveLevel(),
-                              create_shm_segment(tp) if self.device.type == "cpu" else None)
-            workers = start_workers(spec)
-            torch.set_num_threads(num_threads)   # the ranks share the cores: more threads would spin on them
-            if self.kernel_library is not None:
-                kernels.threads.set_num_threads(num_threads)
-            logger.info("tensor parallel: %d ranks (gloo on loopback), %d threads each", tp, num_threads)
-        try:
-            if tp > 1:
-                comm = GlooCollectives(0, tp, spec.port, spec.timeout_s, spec.shm_path)
+            self.model, comm, workers = load_rank0(self.model_path, self.dtype, self.kernel_library, tp, num_threads)
+        else:
             self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device,
-                                                self.kernel_library, config.model.quantization,
-                                                Shard(0, tp) if tp > 1 else None, comm)
-        except BaseException:
-            stop_workers(workers)
-            if tp > 1 and spec.shm_path is not None and os.path.exists(spec.shm_path):
-                os.unlink(spec.shm_path)
-            raise
+                                                self.kernel_library, config.model.quantization)
         if self.model.kernels is not None:
             # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
             # sampling), and its OpenMP workers would spin beside the pool's after each of them.

@@ -23,12 +23,16 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from conveyor import kernels
 from conveyor.core.plan import StepPlan
+from conveyor.kernels import KernelLibrary
 from conveyor.model.llama import LlamaModel
+from conveyor.model.sharding import Shard
 from conveyor.runtime.batch import Batch
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
@@ -88,8 +92,6 @@ SHM_SLOT_ELEMS = 1 << 20   # floats per rank: a step's hidden states up to 1M va
 
 def create_shm_segment(world_size: int) -> str | None:
     """A shared-memory file for the all-reduce, sized for `world_size` ranks; None without the C kernels."""
-    from conveyor import kernels
-
     if kernels.library() is None:
         return None
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -101,8 +103,6 @@ def create_shm_segment(world_size: int) -> str | None:
 
 class SharedMemoryReduce:
     def __init__(self, path: str, rank: int, world_size: int, pids: list[int], timeout_s: float) -> None:
-        from conveyor import kernels
-
         built = kernels.library()
         assert built is not None, "the shared-memory all-reduce is a C kernel"
         self.lib = built.lib
@@ -168,6 +168,32 @@ def start_workers(spec: WorkerSpec) -> list[subprocess.Popen]:
             for rank in range(1, spec.world_size)]
 
 
+TIMEOUT_S = 60.0   # a rank that does not answer a collective for this long is taken for dead
+
+
+def load_rank0(model_path: Path, dtype: torch.dtype, kernel_library: KernelLibrary | None, world_size: int,
+               num_threads: int) -> tuple[LlamaModel, GlooCollectives, list[subprocess.Popen]]:
+    """Start ranks 1..N-1 (they load their shards meanwhile), join them, and load rank 0's shard."""
+    from conveyor.model.loader import load_model
+
+    spec = WorkerSpec(str(model_path), str(dtype).removeprefix("torch."), num_threads, world_size, free_port(),
+                      TIMEOUT_S, logging.getLogger().getEffectiveLevel(), create_shm_segment(world_size))
+    workers = start_workers(spec)
+    torch.set_num_threads(num_threads)
+    if kernel_library is not None:
+        kernels.threads.set_num_threads(num_threads)
+    logger.info("tensor parallel: %d ranks (gloo on loopback), %d threads each", world_size, num_threads)
+    try:
+        comm = GlooCollectives(0, world_size, spec.port, spec.timeout_s, spec.shm_path)
+        model = load_model(model_path, dtype, "cpu", kernel_library, "none", Shard(0, world_size), comm)
+    except BaseException:
+        stop_workers(workers)
+        if spec.shm_path is not None and os.path.exists(spec.shm_path):
+            os.unlink(spec.shm_path)
+        raise
+    return model, comm, workers
+
+
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcasts each plan, then runs its own shard like any ModelRunner."""
 
@@ -205,11 +231,7 @@ class TensorParallelRunner(ModelRunner):
 
 
 def worker_main(rank: int, spec: WorkerSpec) -> None:
-    from pathlib import Path
-
-    from conveyor import kernels
     from conveyor.model.loader import load_model
-    from conveyor.model.sharding import Shard
 
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
