@@ -172,9 +172,14 @@ function cell(content, className) {
 
 function renderRows(m) {
   const tbody = $("rows").tBodies[0];
-  const seen = new Set();
+  const seen = new Set(m.rows.map((r) => r.id));
+  for (const [id, tr] of state.rows) {
+    if (seen.has(id) || tr.classList.contains("leaving")) continue;
+    tr.classList.add("leaving");   // fades out where it is, then goes
+    setTimeout(() => { tr.remove(); if (state.rows.get(id) === tr) state.rows.delete(id); }, 500);
+  }
+  let cursor = tbody.firstElementChild;
   for (const r of m.rows) {
-    seen.add(r.id);
     let tr = state.rows.get(r.id);
     if (!tr || tr.classList.contains("leaving")) {
       if (tr) tr.remove();
@@ -182,7 +187,8 @@ function renderRows(m) {
       tr.className = "row joined";
       tr.dataset.id = r.id;
       state.rows.set(r.id, tr);
-      setTimeout(() => tr.classList.remove("joined"), 50);
+      const joined = tr;
+      setTimeout(() => joined.classList.remove("joined"), 50);
     }
     const badge = document.createElement("span");
     badge.className = "badge " + r.state;
@@ -195,12 +201,9 @@ function renderRows(m) {
       cell(fmt(r.tokens_per_s), "num"), cell(fmt(r.age_s) + " s", "num"));
     tr.title = `${r.id}: ${r.blocks} KV blocks, ${r.cached} prompt tokens from the prefix cache, ` +
                `${r.preemptions} preemptions`;
-    tbody.append(tr);   // keeps the engine's order: running in batch order, then waiting
-  }
-  for (const [id, tr] of state.rows) {
-    if (seen.has(id) || tr.classList.contains("leaving")) continue;
-    tr.classList.add("leaving");
-    setTimeout(() => { tr.remove(); if (state.rows.get(id) === tr) state.rows.delete(id); }, 500);
+    // The engine's order (running in batch order, then waiting); leaving rows keep their place.
+    while (cursor && cursor.classList.contains("leaving")) cursor = cursor.nextElementSibling;
+    if (tr === cursor) cursor = cursor.nextElementSibling; else tbody.insertBefore(tr, cursor);
   }
   $("no-rows").hidden = m.rows.length > 0;
   const listed = m.rows.length, total = m.num_running + m.num_waiting;
@@ -242,37 +245,41 @@ function niceMax(value) {
 
 function drawTimeline() {
   const [ctx, width, height] = sizeCanvas($("timeline"));
-  const steps = state.steps, left = 44, right = 52, top = 8, bottom = 18;
-  const plotW = width - left - right, plotH = height - top - bottom;
+  const steps = state.steps, left = 44, right = 52, top = 8, bottom = 16, gap = 14;
+  const plotW = width - left - right, paneH = height - top - bottom - gap;
+  // Two panes: tokens per step above, step time below (with the latency target, when there is one).
+  const tokH = Math.round(paneH * 0.6), msTop = top + tokH + gap, msH = paneH - tokH;
   const maxTokens = niceMax(Math.max(1, ...steps.map((s) => s[1] + s[2])));
   const target = state.config && state.config.target_itl_ms;
-  const maxMs = niceMax(Math.max(1, target ? target * 1.25 : 0, ...steps.map((s) => s[4])));
+  const maxMs = niceMax(Math.max(1, target ? target * 1.1 : 0, ...steps.map((s) => s[4])));
   // Tokens on a square-root scale: a 512-token prefill chunk and 4 decode rows both stay visible.
-  const yTok = (v) => top + plotH - plotH * Math.sqrt(v / maxTokens);
-  const yMs = (v) => top + plotH - plotH * v / maxMs;
+  const yTok = (v) => top + tokH - tokH * Math.sqrt(v / maxTokens);
+  const yMs = (v) => msTop + msH - msH * v / maxMs;
   ctx.font = "10px system-ui, sans-serif";
   ctx.fillStyle = COLORS.dim;
   ctx.strokeStyle = COLORS.line;
   ctx.lineWidth = 1;
-  for (const f of [0, 0.25, 0.5, 1]) {
-    const v = maxTokens * f, y = yTok(v);
+  const grid = (y, label, side) => {
     ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + plotW, y); ctx.stroke();
-    ctx.textAlign = "right"; ctx.fillText(fmt(v, 0), left - 4, y + 3);
-  }
+    ctx.textAlign = side === "left" ? "right" : "left";
+    ctx.fillText(label, side === "left" ? left - 4 : left + plotW + 4, y + 3);
+  };
+  for (const f of [0, 0.25, 1]) grid(yTok(maxTokens * f), fmt(maxTokens * f, 0), "left");
+  for (const f of [0, 0.5, 1]) grid(yMs(maxMs * f), fmt(maxMs * f, 0) + " ms", "right");
   ctx.textAlign = "left";
-  for (const f of [0, 0.5, 1]) ctx.fillText(fmt(maxMs * f, 0) + " ms", left + plotW + 4, yMs(maxMs * f) + 3);
-  ctx.fillText("tokens", 2, top + 8);
+  ctx.fillText("tokens", left + plotW + 4, top + 8);
+  ctx.fillText("step time", 2, msTop + 8);
   const slot = plotW / 240, barW = Math.max(1, slot - 1);
   const x0 = left + plotW - steps.length * slot;
   steps.forEach((s, i) => {
     const x = x0 + i * slot, decode = s[2], prefill = s[1];
     ctx.fillStyle = COLORS.decode;
-    ctx.fillRect(x, yTok(decode), barW, top + plotH - yTok(decode));
+    ctx.fillRect(x, yTok(decode), barW, top + tokH - yTok(decode));
     ctx.fillStyle = COLORS.prefill;
     ctx.fillRect(x, yTok(decode + prefill), barW, yTok(decode) - yTok(decode + prefill));
     if (s[5] > 0) {
       ctx.fillStyle = COLORS.preempted;
-      ctx.beginPath(); ctx.arc(x + barW / 2, top + 4, 3, 0, 2 * Math.PI); ctx.fill();
+      ctx.beginPath(); ctx.arc(x + barW / 2, top + 3, 3, 0, 2 * Math.PI); ctx.fill();
     }
   });
   if (target) {
@@ -288,7 +295,8 @@ function drawTimeline() {
   });
   ctx.stroke();
   ctx.fillStyle = COLORS.dim; ctx.textAlign = "center";
-  ctx.fillText(steps.length ? `last ${steps.length} steps →` : "no step yet", left + plotW / 2, height - 4);
+  ctx.fillText(steps.length ? `last ${steps.length} steps, newest on the right` : "no step yet",
+               left + plotW / 2, height - 3);
 }
 
 const BLOCK_KINDS = [["free", "free"], ["used", "in use"], ["cached", "cached, reusable"],
