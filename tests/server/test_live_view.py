@@ -6,6 +6,7 @@ The page itself is tested in a browser in test_live_view_browser.py.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import API_KEY, RunningServer, slow_steps, start_server, wait_for
+from server_helpers import API_KEY, RunningServer, launch_server_process, slow_steps, start_server, wait_for
 
 from conveyor.core.snapshot import BlockState
 from conveyor.server import live_view
@@ -218,3 +219,25 @@ def test_viewers_are_told_when_the_engine_core_dies(tiny_checkpoint: Path) -> No
         assert viewer.ended.wait(10)   # the server exits a second later, ending the stream
     finally:
         running.thread.join(15)
+
+
+def test_the_core_in_its_own_process_sends_snapshots_and_sigterm_ends_the_stream(tiny_checkpoint: Path) -> None:
+    """`conveyor serve` as run: the watch command and the snapshots cross the pipe; SIGTERM with a
+    viewer connected exits 0 promptly (uvicorn would otherwise wait for the never-ending stream)."""
+    process, base = launch_server_process(tiny_checkpoint, "--max-num-seqs", "2")
+    try:
+        viewer = Viewer(base)
+        wait_for(lambda: viewer.updates(), 10, "the first update, from the core process")
+        assert generate(base, user="process-core", max_tokens=64).status_code == 200
+        wait_for(lambda: viewer.updates()[-1]["rows"] == [] and len(viewer.updates()) > 1, 10, "the idle update")
+        assert sum(s[2] for u in viewer.updates() for s in u["steps"]) >= 63
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+        assert time.monotonic() - started < 5
+        assert viewer.ended.wait(5) and viewer.error is None
+        viewer.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
