@@ -41,6 +41,7 @@ MAX_STEPS = 240               # steps of the timeline
 MAX_VIEWERS = 32
 MAX_QUEUED = 32               # updates a viewer may fall behind before its stream is closed (it reconnects)
 PING_S = 5.0
+PERCENTILES_EVERY_S = 1.0     # sorting a minute of inter-token gaps 4 times a second would cost the front CPU
 _MAX_LATENCY_SAMPLES = 20_000
 _PING = b": ping\n\n"
 STATIC_DIR = Path(__file__).parent / "static"
@@ -87,6 +88,8 @@ class _Viewer:
 
 
 class LiveView:
+    """The viewers of one server and the figures they are sent; runs on the event loop only."""
+
     def __init__(self, engine: AsyncEngine, config: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.config = config
@@ -106,6 +109,7 @@ class LiveView:
         self._itl: deque[tuple[float, float]] = deque(maxlen=_MAX_LATENCY_SAMPLES)
         self._finished: deque[tuple[float, int]] = deque()
         self._last_token_s: dict[str, float] = {}
+        self._latency: tuple[float, dict[str, Any]] = (-PERCENTILES_EVERY_S, {})   # (when, percentiles)
         engine.observers.append(self.observe)
         engine.death_observers.append(self._engine_died)
 
@@ -153,6 +157,7 @@ class LiveView:
                         self._itl, self._finished):
             samples.clear()
         self.steps.clear()
+        self._latency = (-PERCENTILES_EVERY_S, {})
         self._new_steps.clear()
         self._last_token_s.clear()
 
@@ -213,6 +218,9 @@ class LiveView:
             while samples and samples[0][0] < horizon:
                 samples.popleft()
         seconds = max(min(WINDOW_S, now - self._watched_since_s), 1e-3)
+        if now - self._latency[0] >= PERCENTILES_EVERY_S or not snapshot.rows:
+            self._latency = (now, {"ttft_ms": _percentiles([s[1] for s in self._ttft]),
+                                   "itl_ms": _percentiles([s[1] for s in self._itl])})
         query = sum(s[1] for s in self._prefix)
         hits = sum(s[2] for s in self._prefix)
         states = snapshot.block_states
@@ -239,8 +247,7 @@ class LiveView:
                 "prompt_tokens_per_s": round(sum(s[1] for s in self._prompt_tokens) / seconds, 1),
                 "requests_per_s": round(len(self._finished) / seconds, 2),
                 "preemptions": sum(s[1] for s in self._preemptions),
-                "ttft_ms": _percentiles([s[1] for s in self._ttft]),
-                "itl_ms": _percentiles([s[1] for s in self._itl]),
+                **self._latency[1],
                 "prefix_hit_rate": hits / query if query else None,
                 "prefix_hit_rate_total": (snapshot.num_prefix_hit_tokens / snapshot.num_prefix_query_tokens
                                           if snapshot.num_prefix_query_tokens else None),
