@@ -1,6 +1,6 @@
 """What the live view costs: the same serving load with no viewer and with one viewer connected.
 
-    python -m bench.live_view                      # 32 requests x 64 tokens, 16 at a time, 4 rounds each
+    python -m bench.live_view                      # 96 requests x 64 tokens, 16 at a time, 5 rounds each
 
 One `conveyor serve` (the bundled model, the engine core in its own process) and a second one
 started with --no-dashboard. Rounds take turns (no-dashboard, unwatched, watched; the order rotates
@@ -59,14 +59,14 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.live_view", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--min-prompt", type=int, default=100)
     p.add_argument("--max-prompt", type=int, default=300)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--repetitions", type=int, default=4)
+    p.add_argument("--repetitions", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args()
     print(f"CPU: {report.machine()}", flush=True)
