@@ -6,13 +6,18 @@ One `conveyor serve` (the bundled model, the engine core in its own process) and
 started with --no-dashboard. Rounds take turns (no-dashboard, unwatched, watched; the order rotates
 each repetition) and each mode keeps its best output tokens per second. The viewer reads and
 JSON-decodes the event stream as the page does. Reported: watched / unwatched (the cost of a
-viewer) and unwatched / no-dashboard (the cost of the feature when nobody watches).
+viewer) and unwatched / no-dashboard (the cost of the feature when nobody watches). Throughput swings
+with whatever else the machine runs, so each round also records the CPU seconds its server's two
+processes (front and engine core) spent per 1000 output tokens, from /proc: what a viewer costs in
+work, whatever the contention.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import threading
 import time
@@ -27,6 +32,21 @@ from bench.servers import conveyor_command, free_port, launched
 from bench.workloads import offline_workload, warmup_workload
 
 MODES = ("no-dashboard", "unwatched", "watched")
+_TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of a process (the front) and of its children (the engine core), from /proc."""
+    out = {"front": 0.0, "core": 0.0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        this, parent = int(stat.parent.name), int(fields[1])
+        if this == pid or parent == pid:
+            out["front" if this == pid else "core"] += (int(fields[11]) + int(fields[12])) / _TICKS_S
+    return out
 
 
 class Viewer:
@@ -88,8 +108,13 @@ def main() -> None:
                 viewer = Viewer(on.base_url) if mode == "watched" else None
                 if viewer is not None:
                     time.sleep(1)   # connected, and the first updates through
+                cpu_before = cpu_seconds(server.process.pid)
                 run = run_serving(server.base_url, requests, max_concurrency=args.concurrency)
+                cpu_after = cpu_seconds(server.process.pid)
                 figures = summarize(run)
+                for part in ("front", "core"):
+                    figures[f"{part}_cpu_s_per_1k_tokens"] = \
+                        1000 * (cpu_after[part] - cpu_before[part]) / figures["output_tokens"]
                 if viewer is not None:
                     viewer.close()
                     figures["viewer_updates"] = viewer.num_updates
@@ -99,16 +124,25 @@ def main() -> None:
                     raise SystemExit(f"{mode}: {figures['failed']} requests failed: {figures['errors']}")
                 runs[mode].append(figures)
                 print(f"rep {rep} {mode:13s} {figures['output_tokens_per_s']:7.1f} output tok/s, ITL p50 "
-                      f"{figures['itl_ms']['p50']:.1f} ms"
+                      f"{figures['itl_ms']['p50']:.1f} ms, CPU s per 1k tokens: front "
+                      f"{figures['front_cpu_s_per_1k_tokens']:.3f}, core {figures['core_cpu_s_per_1k_tokens']:.3f}"
                       + (f", {figures['viewer_updates_per_s']:.1f} updates/s of "
                          f"{figures['viewer_bytes_per_update']:.0f} B" if viewer is not None else ""), flush=True)
     best = {mode: max(f["output_tokens_per_s"] for f in figures) for mode, figures in runs.items()}
+    cpu = {mode: {part: statistics.median(f[f"{part}_cpu_s_per_1k_tokens"] for f in figures)
+                  for part in ("front", "core")} for mode, figures in runs.items()}
     watched_ratio = best["watched"] / best["unwatched"]
     unwatched_ratio = best["unwatched"] / best["no-dashboard"]
     print(f"best output tok/s: no-dashboard {best['no-dashboard']:.1f}, unwatched {best['unwatched']:.1f}, "
           f"watched {best['watched']:.1f}")
     print(f"watched / unwatched: {watched_ratio:.3f} ({100 * (1 - watched_ratio):+.1f} % cost of one viewer); "
           f"unwatched / no-dashboard: {unwatched_ratio:.3f}")
+    for mode in MODES:
+        print(f"median CPU s per 1000 output tokens, {mode:13s}: front {cpu[mode]['front']:.3f}, "
+              f"core {cpu[mode]['core']:.3f}, total {cpu[mode]['front'] + cpu[mode]['core']:.3f}")
+    total = {mode: cpu[mode]["front"] + cpu[mode]["core"] for mode in MODES}
+    print(f"CPU per token, watched / unwatched: {total['watched'] / total['unwatched']:.3f}; "
+          f"unwatched / no-dashboard: {total['unwatched'] / total['no-dashboard']:.3f}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"live-view-{stamp}.json"
@@ -118,6 +152,9 @@ def main() -> None:
                                          "max_prompt": args.max_prompt, "output_tokens": args.output_tokens,
                                          "concurrency": args.concurrency},
                             "runs": runs, "best_output_tokens_per_s": best,
+                            "median_cpu_s_per_1k_tokens": cpu,
+                            "cpu_watched_over_unwatched": total["watched"] / total["unwatched"],
+                            "cpu_unwatched_over_no_dashboard": total["unwatched"] / total["no-dashboard"],
                             "watched_over_unwatched": watched_ratio, "unwatched_over_no_dashboard": unwatched_ratio})
     print(f"JSON: {out}")
 
