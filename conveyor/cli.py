@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require the API key on /metrics too (default: open, for Prometheus scrapers)")
     serve.add_argument("--disable-docs", dest="enable_docs", action="store_false",
                        help="remove /openapi.json and /docs (default: served, without the API key)")
+    serve.add_argument("--no-dashboard", dest="enable_dashboard", action="store_false",
+                       help="remove the live view of the batch, / and /dashboard (default: served; its event "
+                            "stream needs the API key when one is set)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model file's name without .gguf, or the folder's)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
@@ -337,7 +340,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
                           enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
-                          state_dir=args.state_dir)
+                          state_dir=args.state_dir, enable_dashboard=args.enable_dashboard)
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
                      args.ray_address)
     if all(flag is None for flag in replica_flags):

@@ -245,6 +245,8 @@ class ServerConfig:
     # removes /openapi.json and /docs (vLLM's --disable-fastapi-docs).
     protect_metrics: bool = False
     enable_docs: bool = True
+    # The live view of the batch (/dashboard and its event stream); False removes it.
+    enable_dashboard: bool = True
     # A "Running / Waiting / KV cache / throughput" line this often while there is work, as vLLM
     # prints; 0 = never (vLLM's --disable-log-stats).
     stats_log_interval_s: float = 10.0

@@ -25,6 +25,7 @@ from conveyor.engine.messages import (
     FinishRequests,
     RequestOutput,
     StepOutputs,
+    WatchBatch,
 )
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.structured_output import GrammarCompiler, grammar_compiler
@@ -190,6 +191,11 @@ class AsyncEngine:
         self.processor.drop(request_id)
         if self.dead_reason is None:
             self.client.send(AbortRequests([request_id]))
+
+    def watch_batch(self, interval_s: float | None) -> None:
+        """Have the core attach a BatchSnapshot to its messages at most every interval_s (None: stop)."""
+        if self._started and self.dead_reason is None:
+            self.client.send(WatchBatch(interval_s))
 
     # ------------------------------------------------------------ from the core (on the event loop)
 

@@ -21,6 +21,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.snapshot import SnapshotSchedule, take_snapshot
 from conveyor.core.speculative import NgramProposer
 from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.engine.messages import (
@@ -34,6 +35,7 @@ from conveyor.engine.messages import (
     RequestMetrics,
     StepOutputs,
     TokenDelta,
+    WatchBatch,
 )
 from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
@@ -137,6 +139,7 @@ class EngineCore:
         self._rejected: list[tuple[str, ConveyorError]] = []
         self._has_news = False                   # commands applied since the last StepOutputs
         self._num_added = 0                      # requests taken from ADD commands since then
+        self.snapshots = SnapshotSchedule()      # off until a live view watches
         self.info = CoreInfo(vocab_size=self.model.vocab_size, max_model_len=self.max_model_len,
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
@@ -241,6 +244,8 @@ class EngineCore:
         elif isinstance(command, FinishRequests):
             for request_id, stop in command.stops:
                 self.finish(request_id, FinishReason.STOP, stop)
+        elif isinstance(command, WatchBatch):
+            self.snapshots.watch(command.interval_s)
 
     def close(self) -> None:
         """Stop what the core started beside itself (tensor-parallel workers)."""
@@ -327,7 +332,12 @@ class EngineCore:
         rejected, self._rejected = self._rejected, []
         num_added, self._num_added = self._num_added, 0
         self._has_news = False
-        return StepOutputs(deltas, self.load(), step, rejected, num_added)
+        outputs = StepOutputs(deltas, self.load(), step, rejected, num_added)
+        now_s = self.clock() if self.snapshots.interval_s is not None else 0.0   # unwatched: not even the clock
+        if self.snapshots.is_due(now_s, not self.has_unfinished_requests()):
+            outputs.snapshot = take_snapshot(now_s, self.scheduler.running, self.scheduler.waiting, self.blocks,
+                                             self._compiling.values())
+        return outputs
 
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
         _, logits = self.runner.execute(plan)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
+from conveyor.core.snapshot import BatchSnapshot
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,11 +57,18 @@ class FinishRequests:
 
 
 @dataclass(slots=True)
+class WatchBatch:
+    """Attach a BatchSnapshot to a message at most every `interval_s` seconds; None stops it."""
+
+    interval_s: float | None
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Leave the busy loop after the step in progress."""
 
 
-CoreCommand = AddRequests | AbortRequests | FinishRequests | Shutdown
+CoreCommand = AddRequests | AbortRequests | FinishRequests | WatchBatch | Shutdown
 
 
 # ------------------------------------------------------------------ core -> front
@@ -146,6 +154,7 @@ class StepOutputs:
     step: StepStats | None = None                                          # None: no step ran
     rejected: list[tuple[str, ConveyorError]] = field(default_factory=list)  # adds the core refused
     num_added: int = 0                                                       # adds received, refused or not
+    snapshot: BatchSnapshot | None = None                                    # only while watched (WatchBatch)
 
 
 # ------------------------------------------------------------------ front output

@@ -13,6 +13,7 @@ clients get exactly a single server's API, streaming and errors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -69,7 +70,9 @@ class ConveyorEngine:
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.server = server
         self.client, tokenizer, model_name = start_core(config, server)
-        self.engine, self.app = build_app_over(self.client, tokenizer, model_name, server)
+        # The live view is one engine's: behind the ingress it would show whichever replica served the page.
+        self.engine, self.app = build_app_over(self.client, tokenizer, model_name,
+                                               dataclasses.replace(server, enable_dashboard=False))
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self._pusher = asyncio.create_task(self._push_metrics(hub, metrics_push_interval_s))

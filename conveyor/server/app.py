@@ -35,6 +35,7 @@ from conveyor.errors import (
 )
 from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
+from conveyor.server.live_view import EVENTS_PATH, add_dashboard
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
-_PROBE_PATHS = ("/health", "/metrics")
+_PROBE_PATHS = ("/health", "/metrics", EVENTS_PATH)   # never refused by the concurrency cap
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -101,8 +102,9 @@ class RequestGuard:
     """ASGI middleware: the concurrency cap, the API key on /v1/*, then the body limit and body
     timeout, before anything parses the body.
 
-    The cap counts requests in progress, streams until their last event included; /health and
-    /metrics are never refused by it, so probes and scrapers still see an overloaded server.
+    The cap counts requests in progress, streams until their last event included; /health,
+    /metrics and the live view's stream are never refused by it, so probes, scrapers and operators
+    still see an overloaded server.
 
     The body is read here, up to the limit, whatever Content-Length says (it may be absent or
     wrong), and replayed to the app; after the replay the app's receive reaches the server again,
@@ -115,7 +117,7 @@ class RequestGuard:
         self.max_concurrency = max_concurrency
         self.num_in_progress = 0
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
-        keyed = ("/v1/", "/tokenize", "/detokenize")
+        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
         self.protected_paths = (*keyed, "/metrics") if protect_metrics else keyed
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -212,11 +214,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
               body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
               max_concurrency: int | None = None, stats_log_interval_s: float = 0.0,
-              state_dir: Path | None = None) -> FastAPI:
+              state_dir: Path | None = None, enable_dashboard: bool = True,
+              max_waiting_requests: int | None = None) -> FastAPI:
     """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
 
-    The API key guards /v1/*, /tokenize and /detokenize (and /metrics with `protect_metrics`); /health stays open.
-    `enable_docs` False removes /openapi.json and /docs.
+    The API key guards /v1/*, /tokenize, /detokenize and the live view's stream (and /metrics with
+    `protect_metrics`); /health stays open. `enable_docs` False removes /openapi.json and /docs;
+    `enable_dashboard` False removes the live view (/ and /dashboard*).
     """
     metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
@@ -243,6 +247,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     if enable_docs:
         add_offline_docs(app)
     app.state.metrics = metrics
+    app.state.live_view = None
+    if enable_dashboard:
+        app.state.live_view = add_dashboard(app, async_engine, model_name, {
+            "api_key_required": api_key is not None, "max_waiting_requests": max_waiting_requests,
+            "max_concurrency": max_concurrency})
     app.state.engine = async_engine
     app.state.serving = serving
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,

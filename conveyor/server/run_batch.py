@@ -146,7 +146,7 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, concurr
         return 0
     engine = LLMEngine(config)
     async_engine = AsyncEngine(ThreadCoreClient(engine.core), engine.tokenizer)
-    app = build_app(async_engine, engine.model_name)
+    app = build_app(async_engine, engine.model_name, enable_dashboard=False)
     concurrency = concurrency or 2 * config.scheduler.max_num_seqs
 
     async def main() -> dict[str, int]:

@@ -30,6 +30,7 @@ from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
 from conveyor.server.http_protocol import header_timeout_protocol
+from conveyor.server.live_view import LiveView
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,11 @@ class ConveyorServer(uvicorn.Server):
     (finished, or failed after the grace period) before uvicorn starts waiting.
     """
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_grace_s: float,
+                 live_view: LiveView | None = None) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.live_view = live_view
         self.shutdown_grace_s = shutdown_grace_s
         self.exit_code = 0
         async_engine.death_observers.append(self._core_died)
@@ -62,6 +65,8 @@ class ConveyorServer(uvicorn.Server):
         logger.info("shutting down: %d requests in flight, up to %.1f s to finish", self.async_engine.num_in_flight,
                     self.shutdown_grace_s)
         await self.async_engine.shutdown(self.shutdown_grace_s)
+        if self.live_view is not None:   # its streams never end by themselves; viewers saw the drain
+            self.live_view.close()
         await super().shutdown(sockets=sockets)
 
     @property
@@ -79,7 +84,8 @@ def build_app_over(client: CoreClient, tokenizer: Tokenizer, model_name: str,
                     max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
                     protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
                     max_concurrency=server.max_concurrency, stats_log_interval_s=server.stats_log_interval_s,
-                    state_dir=None if server.state_dir is None else Path(server.state_dir))
+                    state_dir=None if server.state_dir is None else Path(server.state_dir),
+                    enable_dashboard=server.enable_dashboard, max_waiting_requests=server.max_waiting_requests)
     return async_engine, app
 
 
@@ -96,7 +102,7 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
                             http=header_timeout_protocol(server.header_timeout_s),
                             timeout_keep_alive=server.keep_alive_timeout_s)
-    return ConveyorServer(config, async_engine, server.shutdown_grace_s)
+    return ConveyorServer(config, async_engine, server.shutdown_grace_s, app.state.live_view)
 
 
 def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> tuple[CoreClient, Tokenizer, str]:

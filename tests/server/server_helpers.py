@@ -53,10 +53,10 @@ def start_server(model: Path | None, *, api_key: str | None = None, max_waiting_
     """`server_options`: further ServerConfig fields."""
     options = {**SMALL_ENGINE, **engine_options}
     engine = LLMEngine(EngineConfig.from_options(model=str(model) if model is not None else None, **options))
-    server = build_server(engine, server=ServerConfig(
-        host="127.0.0.1", port=0, api_key=api_key, max_waiting_requests=max_waiting_requests,
-        shutdown_grace_s=shutdown_grace_s, max_body_bytes=max_body_bytes, core_process=False,
-        **(server_options or {})))
+    server = build_server(engine, server=ServerConfig(**{
+        "host": "127.0.0.1", "port": 0, "api_key": api_key, "max_waiting_requests": max_waiting_requests,
+        "shutdown_grace_s": shutdown_grace_s, "max_body_bytes": max_body_bytes, "core_process": False,
+        **(server_options or {})}))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
