@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -143,20 +142,14 @@ def main() -> None:
     total = {mode: cpu[mode]["front"] + cpu[mode]["core"] for mode in MODES}
     print(f"CPU per token, watched / unwatched: {total['watched'] / total['unwatched']:.3f}; "
           f"unwatched / no-dashboard: {total['unwatched'] / total['no-dashboard']:.3f}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / f"live-view-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.live_view " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(None), "options": options,
-                            "workload": {"num_requests": args.num_requests, "min_prompt": args.min_prompt,
-                                         "max_prompt": args.max_prompt, "output_tokens": args.output_tokens,
-                                         "concurrency": args.concurrency},
-                            "runs": runs, "best_output_tokens_per_s": best,
-                            "median_cpu_s_per_1k_tokens": cpu,
-                            "cpu_watched_over_unwatched": total["watched"] / total["unwatched"],
-                            "cpu_unwatched_over_no_dashboard": total["unwatched"] / total["no-dashboard"],
-                            "watched_over_unwatched": watched_ratio, "unwatched_over_no_dashboard": unwatched_ratio})
-    print(f"JSON: {out}")
+    report.save_run("live-view", args.out_dir, {
+        "options": options,
+        "workload": {"num_requests": args.num_requests, "min_prompt": args.min_prompt, "max_prompt": args.max_prompt,
+                     "output_tokens": args.output_tokens, "concurrency": args.concurrency},
+        "runs": runs, "best_output_tokens_per_s": best, "median_cpu_s_per_1k_tokens": cpu,
+        "cpu_watched_over_unwatched": total["watched"] / total["unwatched"],
+        "cpu_unwatched_over_no_dashboard": total["unwatched"] / total["no-dashboard"],
+        "watched_over_unwatched": watched_ratio, "unwatched_over_no_dashboard": unwatched_ratio})
 
 
 if __name__ == "__main__":

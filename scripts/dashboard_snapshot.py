@@ -13,7 +13,6 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from local_server import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "docs" / "grafana" / "conveyor.json"
@@ -34,24 +34,6 @@ PROMPTS = [
 ]
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 8,
         "Continuous batching gathers one token from every running sequence into one forward pass. " * 4]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become ready")
 
 
 def load(base_url: str, model: str, until_s: float, seed: int) -> None:
