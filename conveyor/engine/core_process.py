@@ -136,6 +136,10 @@ class ProcessCoreClient:
         self._loop, self._on_outputs, self._on_death = loop, on_outputs, on_death
         loop.add_reader(self._conn.fileno(), self._read)
         loop.add_reader(self.process.sentinel, self._died)
+        # uvloop's add_reader makes the pipe non-blocking, and then a message larger than what has
+        # arrived (a batch snapshot) fails mid-recv with EAGAIN, and a full pipe fails a send: both
+        # read as the core's death. Readiness is all the loop needs; the reads and writes block.
+        os.set_blocking(self._conn.fileno(), True)
         # Sends go through a thread: a full pipe (a core busy in a long step) must never block the loop.
         self._sender = threading.Thread(target=self._send_loop, name="conveyor-core-sender", daemon=True)
         self._sender.start()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from server_helpers import child_pids, core_pid, is_alive, launch_server_process, metrics, sse_events, wait_for
 
 
@@ -115,3 +116,38 @@ def test_core_start_up_error_is_reported_and_exits_2(tiny_checkpoint: Path, tmp_
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "is not a readable safetensors file" in result.stderr   # raised in the core, shown by the front
+
+
+def test_big_messages_cross_the_pipe_under_uvloop(tiny_checkpoint: Path) -> None:
+    """uvloop makes a reader's fd non-blocking; a message larger than what has arrived (a batch
+    snapshot of 16384 KV blocks) must still be read whole, not taken for the core's death."""
+    uvloop = pytest.importorskip("uvloop")
+    from conveyor.config import EngineConfig
+    from conveyor.engine.core_process import ProcessCoreClient
+    from conveyor.engine.messages import WatchBatch
+
+    client = ProcessCoreClient(EngineConfig.from_options(model=str(tiny_checkpoint), threads=1,
+                                                         kv_cache_memory="64MiB"))
+    client.wait_ready()
+    deaths: list[str] = []
+
+    async def main() -> None:
+        snapshots = []
+        arrived = asyncio.Event()
+
+        def on_outputs(outputs) -> None:   # noqa: ANN001
+            if outputs.snapshot is not None:
+                snapshots.append(outputs.snapshot)
+                arrived.set()
+
+        client.start(asyncio.get_running_loop(), on_outputs, deaths.append)
+        assert os.get_blocking(client._conn.fileno())
+        for _ in range(5):
+            arrived.clear()
+            client.send(WatchBatch(0.25))   # each watch asks for a snapshot at once
+            await asyncio.wait_for(arrived.wait(), 10)
+        assert len(snapshots[-1].block_states) == client.info.num_kv_blocks > 65536 // 8
+        await client.close()
+
+    uvloop.run(main())
+    assert deaths == []
