@@ -146,14 +146,16 @@ def run_serving(base_url: str, requests: list[OfflineRequest], *, model: str | N
                             extra_body or {}, on_done))
 
 
-def wait_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool] = lambda: True) -> None:
-    """Poll GET /health until it answers 200; raises TimeoutError, or RuntimeError if the server died."""
+def wait_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool] = lambda: True,
+                 path: str = "/health") -> None:
+    """Poll GET `path` (/health; Prometheus says /-/ready) until it answers 200; raises TimeoutError,
+    or RuntimeError if the server died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not is_alive():
             raise RuntimeError(f"server at {base_url} exited while starting")
         try:
-            if httpx.get(base_url.rstrip("/") + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(base_url.rstrip("/") + path, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

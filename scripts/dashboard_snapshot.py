@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 
 import httpx
-from local_server import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.client import wait_healthy  # noqa: E402
+from bench.servers import free_port  # noqa: E402
+
 DASHBOARD = ROOT / "docs" / "grafana" / "conveyor.json"
 PROMPTS = [
     "Summarize the following text in two sentences: {doc}",
@@ -129,8 +132,8 @@ def main() -> None:
                              f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(f"{base_url}/health")
-        wait_ready(f"{prometheus}/-/ready")
+        wait_healthy(base_url, 300, is_alive=lambda: server.poll() is None)
+        wait_healthy(prometheus, 60, is_alive=lambda: prom.poll() is None, path="/-/ready")
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
         start = time.time()
         until = time.monotonic() + 60 * args.minutes

@@ -18,9 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_view_load import run_load  # noqa: E402
-from local_server import free_port, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.client import wait_healthy  # noqa: E402
+from bench.servers import free_port  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "conveyor", "serve", "--port", str(port),
                                "--disable-log-stats", *(["--model", args.model] if args.model else [])])
     try:
-        wait_ready(f"{base_url}/health")
+        wait_healthy(base_url, 300, is_alive=lambda: server.poll() is None)
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium)
             page = browser.new_page(viewport={"width": 1480, "height": 1000}, device_scale_factor=1)

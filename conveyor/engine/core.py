@@ -249,9 +249,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop what the core started beside itself (tensor-parallel workers)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def has_news(self) -> bool:
         """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""

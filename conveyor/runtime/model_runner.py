@@ -40,3 +40,6 @@ class ModelRunner:
             logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
                                 batch.logits_indices)
         return batch, logits
+
+    def close(self) -> None:
+        """Nothing runs beside a one-process runner (the tensor-parallel one stops its ranks)."""

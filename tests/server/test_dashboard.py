@@ -9,7 +9,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import RunningServer, start_server
+from server_helpers import RunningServer, free_port, start_server
 
 from conveyor.server.metrics import METRIC_NAMES
 
@@ -62,12 +61,6 @@ def test_committed_dashboard_is_the_generated_one() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert json.loads(DASHBOARD.read_text()) == module.dashboard(), "run python scripts/grafana_dashboard.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
