@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# none: weights as loaded; int8: linear layers quantized to int8 (blocks of 32) from any checkpoint;
-# gguf: a GGUF file's Q8_0/Q4_0/Q4_1 tensors kept in their format. See model/quant.py.
-QUANTIZATIONS = ("none", "int8", "gguf")
+# auto: a GGUF file runs in its own formats where kernels exist, anything else as loaded; none: weights
+# as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
+# checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -47,7 +48,7 @@ class ModelConfig:
     threads: int | None = None        # torch intra-op threads; None leaves torch's default
     device: str = "cpu"
     served_model_name: str | None = None
-    quantization: str = "none"        # one of QUANTIZATIONS
+    quantization: str = "auto"        # one of QUANTIZATIONS
     seed: int | None = None           # seeds the generator of requests without a seed of their own
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
     tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
@@ -56,14 +57,14 @@ class ModelConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and (self.quantization != "none" or self.device != "cpu"):
+        if self.tensor_parallel_size > 1 and (self.quantization not in ("none", "auto") or self.device != "cpu"):
             raise ValueError("tensor_parallel_size > 1 runs float weights on the CPU (gloo): drop the quantization "
                              "and device options")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "none" and self.dtype not in ("float32", "auto"):
+        if self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto"):
             raise ValueError(f"quantization {self.quantization!r} runs with float32 activations; "
                              f"got dtype {self.dtype!r}")
         _positive("threads", self.threads, allow_none=True)

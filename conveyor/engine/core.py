@@ -42,7 +42,7 @@ from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.model.llama import LlamaModel
-from conveyor.model.loader import load_model, resolve_model_path
+from conveyor.model.loader import load_model, resolve_model_path, resolve_quantization
 from conveyor.runtime.dtype import choose_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
@@ -91,8 +91,11 @@ class EngineCore:
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
+        self.quantization = resolve_quantization(config.model.quantization, self.model_path, self.device.type,
+                                                 config.model.dtype, self.kernel_library,
+                                                 config.model.tensor_parallel_size)
         self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library,
-                                       quantized=config.model.quantization != "none")
+                                       quantized=self.quantization != "none")
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         tp = config.model.tensor_parallel_size
         comm, workers = None, []
@@ -101,7 +104,7 @@ class EngineCore:
             self.model, comm, workers = load_rank0(self.model_path, self.dtype, self.kernel_library, tp, num_threads)
         else:
             self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device,
-                                                self.kernel_library, config.model.quantization)
+                                                self.kernel_library, self.quantization)
         if self.model.kernels is not None:
             # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
             # sampling), and its OpenMP workers would spin beside the pool's after each of them.

@@ -81,7 +81,9 @@ def tokenizer_from_gguf(path: str | Path | GGUFReader) -> Tokenizer:
     """
     from gguf import GGUFReader  # gguf is only needed for GGUF checkpoints
 
-    if isinstance(path, GGUFReader):
+    from conveyor.model.gguf_file import GGUFFile
+
+    if isinstance(path, (GGUFReader, GGUFFile)):
         reader, source = path, str(getattr(path.data, "filename", "GGUF"))
     else:
         from conveyor.model.loader import gguf_reader

@@ -21,16 +21,17 @@ int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_
                int64_t num_threads);
 void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
               int64_t num_threads);
-int quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t fmt, const float *bias, float *y,
-               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
+struct kq_linear;   /* kquant.c's description of a quantized linear layer (its segments and biases) */
+int kq_linear(const float *x, int64_t ldx, const struct kq_linear *L, float *y, int64_t ldy, int64_t M,
+              int64_t num_threads);
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
                     int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
                     int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int is_bf16);
 
 /* Per-layer constants, set once at load. Pointers: weights, optional biases (NULL: none). A weight is
- * a packed float panel set (gemm.c) when its format is -1, else blocks of a quant.c format (float32
- * activations only), for qkv, o, gate_up, down in that order. */
+ * a packed float panel set (gemm.c) when its format is -1, else a kquant.c linear layer (its own
+ * segments and biases; float32 activations only), for qkv, o, gate_up, down in that order. */
 typedef struct {
     const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
@@ -54,7 +55,8 @@ static int linear(const step_t *s, int64_t format, const void *x, int64_t ldx, c
     if (format >= 0) {
         if (s->is_bf16) return -1;
         float *out = res ? tmp : (float *)y;
-        const int status = quant_gemm(x, ldx, w, format, bias, out, N, s->T, N, K, s->num_threads);
+        (void)bias;   /* a quantized layer carries its biases with its segments */
+        const int status = kq_linear(x, ldx, w, out, N, s->T, s->num_threads);
         if (res)
             for (int64_t i = 0; i < s->T * N; i++) ((float *)y)[i] = ((const float *)res)[i] + out[i];
         return status;

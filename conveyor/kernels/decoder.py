@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from conveyor.kernels import quant, threads
+from conveyor.kernels import threads
 from conveyor.kernels.build import KernelLibrary
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -37,11 +37,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _weight(linear) -> tuple[int, int]:
-    """(pointer, format): a packed float linear (.packed) is format -1, a quantized one (.weight, a
-    QuantWeight) its quant.c format code."""
+    """(pointer, format): a packed float linear (.packed) is format -1, a quantized one (.spec, a
+    quant.LinearSpec holding its segments and biases) format 0."""
     if hasattr(linear, "packed"):
         return linear.packed.data_ptr(), -1
-    return linear.weight.data.data_ptr(), quant.FORMATS[linear.weight.fmt]
+    return ctypes.addressof(linear.spec), 0
 
 
 def layer_params(ln1: torch.Tensor, qkv, o, ln2: torch.Tensor, gate_up, down, *, eps: float, heads: int,

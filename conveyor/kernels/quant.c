@@ -269,6 +269,22 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
         default: tile(F, MR >= 6 ? 6 : 1, __VA_ARGS__); break; \
     }
 
+/* Rows m0..m1 of one panel over activations quantized by the caller (row m's at qx + m * K, dx + m * KB):
+ * kquant.c's linear layer runs these formats as segments beside its own. */
+void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, int64_t K, const float *dx,
+                      const int32_t *sx, const float *sxd, const float *bias, float *y, int64_t ldy, int64_t nc,
+                      int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = (int)min64(MR, m1 - m);
+        const int64_t a = m * KB;
+        if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
+        else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
+        else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
+    }
+}
+
+int64_t quant_panel_bytes(int fmt, int64_t K) { return K / QK * block_bytes(fmt); }
+
 /* Quantize the rows of x as the matmul does (for tests and references): q (M, K), d (M, K/32). */
 int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *d) {
     if (K % QK) return -1;

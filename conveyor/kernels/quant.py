@@ -1,9 +1,10 @@
-"""Weights kept quantized (Q8, Q4_0, Q4_1 in blocks of 32 along K) and their matmul (quant.c).
+"""Weights kept quantized in GGUF's block formats, and the linear layer over them (quant.c, kquant.c).
 
-Every format is stored as unsigned codes with a zero point, w = d * (code - zp) (+ m for Q4_1), so
-one kernel serves all three: Q8 codes are q + 128 (zp 128), Q4_0 codes are GGUF's nibbles (zp 8),
-Q4_1 codes are its nibbles with zp 0 and a per-block min. Scales and mins stay fp16 as in GGUF, so
-repacking a GGUF tensor is lossless. The packed layout is described at the top of quant.c.
+Q8_0 / Q4_0 / Q4_1 (and int8 made from float checkpoints) are stored as unsigned codes with a zero
+point, w = d * (code - zp) (+ m for Q4_1), in the layout described at the top of quant.c; Q5_0,
+Q4_K, Q5_K and Q6_K keep their own scales and are repacked in C straight from the file's blocks
+(kquant.c). Every repacking is lossless. A linear layer is a list of segments along N, each in its
+own format, sharing one quantization of the activations (a fused q/k/v whose parts differ).
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ from conveyor.kernels.build import KernelLibrary
 
 QK = 32      # weights per block along K
 PANEL = 32   # output channels per panel
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant.c's
+# Weights per file block along K, for the formats repacked in C.
+BLOCK_WEIGHTS = {"q5_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
 CODE_BYTES = {"q8_0": 1024, "q4_0": 512, "q4_1": 512}
 BLOCK_BYTES = {"q8_0": 1088, "q4_0": 576, "q4_1": 640}   # per block of 32 channels x 32 k
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+MAX_SEGMENTS = 4
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("fmt", _I64), ("n", _I64), ("w", _P), ("bias", _P)]
+
+
+class LinearSpec(ctypes.Structure):
+    """kquant.c's kq_linear_t: the segments of one quantized linear layer."""
+    _fields_ = [("num_segments", _I64), ("k", _I64), ("seg", _Segment * MAX_SEGMENTS)]
 
 
 @dataclass(frozen=True)
@@ -50,12 +64,53 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
         lib.quant_activations.argtypes = [_P, _I64, _I64, _I64, _P, _P]
         lib.quant_isa.restype = ctypes.c_int
         lib.quant_isa.argtypes = []
+        lib.kq_isa.restype = ctypes.c_int
+        lib.kq_isa.argtypes = []
+        lib.kq_linear.restype = ctypes.c_int
+        lib.kq_linear.argtypes = [_P, _I64, ctypes.POINTER(LinearSpec), _P, _I64, _I64, _I64]
+        lib.kq_repack.restype = ctypes.c_int
+        lib.kq_repack.argtypes = [ctypes.c_int, _P, _I64, _P, _I64, _I64, _P, _I64]
+        lib.kq_packed_bytes.restype = _I64
+        lib.kq_packed_bytes.argtypes = [ctypes.c_int, _I64, _I64]
         lib._quant_declared = True
     return lib
 
 
-def isa(built: KernelLibrary) -> str:
-    return ("portable", "avx2", "avx512-vnni")[_lib(built).quant_isa()]
+def isa(built: KernelLibrary, fmt: str = "q8_0") -> str:
+    """The code path `fmt` runs on in this build."""
+    if fmt in LEGACY:
+        return ("portable", "avx2", "avx512-vnni")[_lib(built).quant_isa()]
+    return ("portable", "avx2")[_lib(built).kq_isa()]
+
+
+def can_keep(fmt: str, k: int) -> bool:
+    """Whether a weight of this format with K = k runs on the quantized kernels."""
+    return k % BLOCK_WEIGHTS.get(fmt, QK) == 0 if fmt in FORMATS else False
+
+
+def repack(built: KernelLibrary, fmt: str, raw: np.ndarray, n: int, k: int,
+           rows: np.ndarray | None = None, num_threads: int | None = None) -> QuantWeight:
+    """A GGUF tensor's blocks (file rows of `raw`, uint8 (rows, row bytes), e.g. a memory map) -> QuantWeight.
+
+    `rows` picks the file row of each output channel (a permutation), None for the identity. The
+    repacking runs in C (kquant.c) without a copy of `raw`; it equals `from_gguf_blocks` for the legacy
+    formats.
+    """
+    if not can_keep(fmt, k):
+        raise ValueError(f"{fmt} weights need K divisible by {BLOCK_WEIGHTS[fmt]}, got {k}")
+    lib = _lib(built)
+    raw = raw if raw.flags.c_contiguous else np.ascontiguousarray(raw)
+    order = None if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+    size = lib.kq_packed_bytes(FORMATS[fmt], n, k)
+    data = torch.empty(size, dtype=torch.uint8)
+    status = lib.kq_repack(FORMATS[fmt], raw.ctypes.data, raw.shape[1] if raw.ndim == 2 else raw.nbytes // n,
+                           None if order is None else order.ctypes.data, n, k, data.data_ptr(),
+                           num_threads or threads.num_threads())
+    if status != 0:
+        raise ValueError(f"cannot repack a {fmt} tensor of shape ({n}, {k})")
+    if fmt in LEGACY:   # quant.c's (P, K/32, block bytes) view
+        data = data.view(-(-n // PANEL), k // QK, BLOCK_BYTES[fmt])
+    return QuantWeight(fmt, n, k, data)
 
 
 def pack(fmt: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> QuantWeight:
@@ -153,20 +208,41 @@ def activations(built: KernelLibrary, x: torch.Tensor) -> torch.Tensor:
     return (q.float().view(m, -1, QK) * d[:, :, None]).view(m, k)
 
 
-def gemm(built: KernelLibrary, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-         num_threads: int | None = None) -> torch.Tensor:
-    """x (..., K) float32 -> (..., N) float32 through the quantized weight."""
-    x2 = x.reshape(-1, w.k)
+def linear_spec(weights: list[QuantWeight], bias: torch.Tensor | None) -> LinearSpec:
+    """The C description of a linear layer made of `weights` stacked along N; `bias` (sum of n,) float32
+    contiguous or None. The tensors must outlive the spec."""
+    if not 1 <= len(weights) <= MAX_SEGMENTS or len({w.k for w in weights}) != 1:
+        raise ValueError(f"a quantized linear takes 1 to {MAX_SEGMENTS} weights of one K")
+    spec = LinearSpec(len(weights), weights[0].k)
+    offset = 0
+    for i, w in enumerate(weights):
+        bias_ptr = None if bias is None else bias.data_ptr() + 4 * offset
+        spec.seg[i] = _Segment(FORMATS[w.fmt], w.n, w.data.data_ptr(), bias_ptr)
+        offset += w.n
+    return spec
+
+
+def run_linear(built: KernelLibrary, x: torch.Tensor, spec: LinearSpec, n: int,
+               num_threads: int | None = None) -> torch.Tensor:
+    """x (..., K) -> (..., N) float32 through a LinearSpec of N output channels in all."""
+    k = spec.k
+    x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32:
         x2 = x2.float()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    y = torch.empty(rows, w.n)
-    status = _lib(built).quant_gemm(
-        x2.data_ptr(), x2.stride(0), w.data.data_ptr(), FORMATS[w.fmt], 0 if bias is None else bias.data_ptr(),
-        y.data_ptr(), w.n, rows, w.n, w.k, num_threads or threads.num_threads())
+    y = torch.empty(rows, n)
+    status = _lib(built).kq_linear(x2.data_ptr(), x2.stride(0), ctypes.byref(spec), y.data_ptr(), n, rows,
+                                   num_threads or threads.num_threads())
     if status != 0:
-        raise ValueError(f"quant gemm failed ({status}): K = {w.k}, format {w.fmt}")
-    y = y.view(*x.shape[:-1], w.n)
+        raise ValueError(f"quantized linear failed ({status}): K = {k}")
+    y = y.view(*x.shape[:-1], n)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def gemm(built: KernelLibrary, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+         num_threads: int | None = None) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N) float32 through one quantized weight."""
+    bias = None if bias is None else bias.float().contiguous()
+    return run_linear(built, x, linear_spec([w], bias), w.n, num_threads)

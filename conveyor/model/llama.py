@@ -159,7 +159,7 @@ class LlamaModel(nn.Module):
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each
         decoder layer as one C call when all of it can run there. Call after load_weights; float32 and
         bfloat16 only. The C layers need the attention kernel's metadata (`meta.kernel`) to run."""
-        if self.embed_tokens.weight.dtype not in KERNEL_DTYPES:
+        if self.norm.weight.dtype not in KERNEL_DTYPES:
             return
         for module in list(self.modules()):
             if isinstance(module, RMSNorm):
@@ -167,7 +167,7 @@ class LlamaModel(nn.Module):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and can_pack(child.weight):
                     setattr(module, name, PackedLinear(lib, child.weight, child.bias))
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+        if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding) and can_pack(self.embed_tokens.weight):
             # The embedding keeps its own table for lookups; the packed copy serves the logits.
             self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
         if fuse and all([layer.fuse() for layer in self.layers]):

@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import json
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +19,9 @@ import torch
 
 from conveyor.config import QUANTIZATIONS
 from conveyor.errors import ModelLoadError
-from conveyor.kernels import KernelLibrary, quant
-from conveyor.kernels.quant import QuantWeight
+from conveyor.kernels import KernelLibrary
+from conveyor.model import gguf_quant
+from conveyor.model.gguf_file import GGUFFile
 from conveyor.model.llama import LlamaModel, ModelArch
 from conveyor.model.parallel_llama import Collectives, ParallelLlamaModel
 from conveyor.model.quant import quantize_linears
@@ -72,12 +74,41 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dtype: str = "auto",
+                         kernel_library: KernelLibrary | None = None, tensor_parallel_size: int = 1) -> str:
+    """What `quantization` means for this checkpoint and machine: "auto" (and "gguf") keep a GGUF file's
+    formats ("gguf") where the quantized kernels can run them, else "none". Raises for "gguf" on a folder."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "gguf" and not path.is_file():
+        raise ModelLoadError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {path} is a "
+                             "folder: use 'int8' for float checkpoints")
+    if quantization not in ("auto", "gguf"):
+        return quantization
+    reasons = [why for why, applies in (
+        ("a Hugging Face folder holds float weights", not path.is_file()),
+        ("the quantized kernels run on the CPU", device != "cpu"),
+        ("tensor parallelism runs float weights", tensor_parallel_size > 1),
+        (f"dtype {dtype} was asked for (the quantized kernels take float32 activations)",
+         dtype not in ("auto", "float32")),
+        ("no C compiler to build the quantized kernels", kernel_library is None)) if applies]
+    if reasons:
+        if quantization == "gguf" or path.is_file():
+            logger.info("GGUF tensors dequantized to float: %s", "; ".join(reasons))
+        return "none"
+    return "gguf"
+
+
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                kernel_library: KernelLibrary | None = None, quantization: str = "none",
                shard: Shard | None = None, comm: Collectives | None = None) -> LlamaModel:
     """Build the model for a resolved path and fill in its weights; with a kernel library, the
     linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py).
+    `quantization` is resolved by `resolve_quantization` ("auto" is resolved here when given).
     With a shard (and its rank's collectives), only that rank's slice of every tensor is kept."""
+    if quantization == "auto":
+        quantization = resolve_quantization(quantization, path, device, str(dtype).removeprefix("torch."),
+                                            kernel_library, 1 if shard is None else 2)
     if shard is not None and quantization != "none":
         raise ModelLoadError("tensor parallelism runs float weights: drop the quantization option")
     if quantization not in QUANTIZATIONS:
@@ -89,11 +120,11 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         logger.warning("quantization %s needs the C kernels and float32 activations; loading float weights",
                        quantization)
         quantization = "none"
-    gguf_weights: dict[str, QuantWeight] | None = {} if quantization == "gguf" else None
     started = time.perf_counter()
+    plan: gguf_quant.KeepPlan | None = None
     try:
         if path.is_file():
-            arch, weights, freq_factors = _open_gguf(path, gguf_weights)
+            arch, weights, freq_factors, plan = _open_gguf(path, keep=quantization == "gguf")
         else:
             arch, weights, freq_factors = _open_hf_folder(path)
         if shard is not None and comm is not None:
@@ -106,9 +137,13 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         else:
             with torch.device("meta"):
                 model = LlamaModel(arch, freq_factors).to(dtype=dtype)
+            if plan is not None:
+                gguf_quant.place_holders(model, plan, dtype)
         model = model.to_empty(device=device)
         model.rotary.inv_freq = model.rotary.inv_freq.to(device)
         model.load_weights(weights)
+        if plan is not None:
+            gguf_quant.materialize(model, plan, kernel_library)
     except ModelLoadError:
         raise
     except KeyError as exc:
@@ -117,7 +152,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         raise ModelLoadError(f"cannot load {path}: {exc}") from exc
     model.eval()
     if kernel_library is not None:
-        quantize_linears(model, kernel_library, quantization, gguf_weights)
+        quantize_linears(model, kernel_library, quantization)
         model.use_kernels(kernel_library)
     logger.info("loaded %s (%s, %d layers, %.0fM parameters) as %s on %s in %.2f s", path.name,
                 arch.architecture, arch.num_layers, arch.num_parameters / 1e6, dtype, device,
@@ -209,26 +244,23 @@ def _open_hf_folder(folder: Path) -> tuple[ModelArch, Iterator[tuple[str, torch.
 # ---------------------------------------------------------------- GGUF files
 
 
-def _gguf_reader(path: Path):  # -> gguf.GGUFReader
+def _gguf_reader(path: Path) -> GGUFFile:
     try:
         return gguf_reader(path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def gguf_reader(path: Path):  # -> gguf.GGUFReader
+def gguf_reader(path: Path) -> GGUFFile:
     """A GGUF file's parsed metadata and mapped tensors, shared by the weights' and the tokenizer's
-    loaders: parsing the metadata (the vocabulary's arrays) takes seconds. Keyed by the file's
-    identity, so a rewritten file is parsed again."""
+    loaders. Keyed by the file's identity, so a rewritten file is parsed again."""
     stat = path.stat()
     return _parsed_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_gguf(path: str, mtime_ns: int, size: int):  # noqa: ARG001 - the key, not the input
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _parsed_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:  # noqa: ARG001 - the key, not the input
+    return GGUFFile(path)
 
 
 def gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN201 - gguf has no typed API
@@ -295,13 +327,11 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# GGUF tensor types that can stay quantized -> our format names (kernels/quant.py).
-_KEPT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-
-
-def _open_gguf(path: Path, kept: dict[str, QuantWeight] | None = None
-               ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None]:
-    """With `kept`, the 2-D Q8_0 / Q4_0 / Q4_1 tensors are also stored there, repacked, by name."""
+def _open_gguf(path: Path, keep: bool = False
+               ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None,
+                          gguf_quant.KeepPlan | None]:
+    """With `keep`, also the plan of which tensors stay in their formats (gguf_quant); the weights
+    iterator then dequantizes only the others."""
     import gguf
 
     reader = _gguf_reader(path)
@@ -310,10 +340,19 @@ def _open_gguf(path: Path, kept: dict[str, QuantWeight] | None = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+    row_orders = {}
+    if name == "llama":   # llama.cpp's converter interleaved these rows; we rotate halves
+        for t in reader.tensors:
+            parts = t.name.split(".")
+            if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and parts[3] == "weight":
+                heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
+                row_orders[t.name] = _unpermute_rope_rows(np.arange(int(t.shape[-1])), heads)
+    plan = gguf_quant.plan_kept(reader, arch, row_orders) if keep else None
+    skipped = plan.skipped if plan is not None else set()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
+            if t.name == "rope_freqs.weight" or t.name in skipped:
                 continue
             parts = t.name.split(".")
             if parts[0] == "blk":
@@ -327,14 +366,8 @@ def _open_gguf(path: Path, kept: dict[str, QuantWeight] | None = None
             else:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
             w = gguf.quants.dequantize(t.data, t.tensor_type)
-            raw = t.data
             if name == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-                heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
-                w = _unpermute_rope_rows(w, heads)
-                raw = _unpermute_rope_rows(raw, heads) if raw.ndim == 2 else raw
-            fmt = _KEPT_TYPES.get(t.tensor_type.name)
-            if kept is not None and fmt is not None and w.ndim == 2 and w.shape[1] % quant.QK == 0:
-                kept[hf_name] = quant.from_gguf_blocks(fmt, raw, *w.shape)
+                w = _unpermute_rope_rows(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
-    return arch, weights(), freq_factors
+    return arch, weights(), freq_factors, plan

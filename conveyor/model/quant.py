@@ -1,20 +1,22 @@
-"""Linear layers on weights kept quantized: `--quantization none | int8 | gguf`.
+"""Linear layers and embeddings on weights kept quantized: `--quantization auto | none | int8 | gguf`.
 
-- none: weights as loaded, in the model's dtype (GGUF tensors are dequantized to float).
+- auto (the default): a GGUF file runs in its own formats. Every linear layer whose tensors are
+  Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K stays in that format (repacked in C, losslessly; the
+  parts of a fused q/k/v or gate/up keep their own formats as segments of one layer); tensors of
+  another quantized type are dequantized once and requantized to Q8_0 (float types stay float); the
+  token embedding stays in the file's blocks and only the looked-up rows are dequantized. Hugging
+  Face folders, CUDA, tensor parallelism or an explicit non-float32 dtype resolve auto to none.
+- none: weights as loaded, in the model's dtype (GGUF tensors dequantized to float).
 - int8: every linear layer (and the output layer, tied or not) whose K is a multiple of 32 is
-  quantized to symmetric int8 in blocks of 32 along K (Q8_0's layout), from whatever the
-  checkpoint holds.
-- gguf: the GGUF file's Q8_0 / Q4_0 / Q4_1 tensors are kept in their own format (repacked
-  losslessly); a layer whose tensors are float or of another type stays float. A tied output layer
-  reuses the quantized embedding table. Only for GGUF files.
-
-The embedding lookup always keeps a float table (a gather reads only T rows of it).
+  quantized to symmetric int8 in blocks of 32 along K (Q8_0's layout), from the float weights.
+- gguf: auto, for a GGUF file only (an error for a folder).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,76 +29,89 @@ logger = logging.getLogger(__name__)
 
 
 # Our fused linear -> the Hugging Face names of its parts, in row order.
-_FUSED = {
+FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T (+ bias) with W kept quantized (kernels/quant.py); float32 in and out."""
+    """y = x @ W.T (+ bias) with W kept quantized, as segments along N each in its own format; float32
+    in and out. The activations are quantized once for all segments (kernels/kquant.c)."""
 
-    def __init__(self, lib: KernelLibrary, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, lib: KernelLibrary, weights: list[QuantWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
         self.lib = lib
-        self.weight = weight
-        self.out_features, self.in_features = weight.n, weight.k
-        self.register_buffer("qdata", weight.data)   # counted by model.buffers() for memory reports
+        self.weights = list(weights)
+        self.in_features, self.out_features = weights[0].k, sum(w.n for w in weights)
+        for i, w in enumerate(self.weights):
+            self.register_buffer(f"qdata{i}", w.data)   # counted by model.buffers() for memory reports
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.spec = quant.linear_spec(self.weights, self.bias)   # raw pointers: the tensors above own them
+
+    @property
+    def weight(self) -> QuantWeight:
+        """The weight of a one-segment layer."""
+        if len(self.weights) != 1:
+            raise AttributeError("a layer of several segments has no single weight")
+        return self.weights[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant.gemm(self.lib, x, self.weight, self.bias)
+        return quant.run_linear(self.lib, x, self.spec, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight.fmt}"
+        formats = "+".join(w.fmt for w in self.weights)
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={formats}"
 
 
-def quantize_linears(model: nn.Module, lib: KernelLibrary, quantization: str,
-                     gguf_weights: dict[str, QuantWeight] | None = None) -> int:
-    """Swap linear layers for QuantLinear in place (before `pack_linears`, which packs the rest).
+class PendingQuantLinear(nn.Module):
+    """Stands in for a linear layer whose weight will be repacked from the file: only its bias (if any)
+    is a parameter, so building the model allocates no float copy of the weight."""
 
-    `gguf_weights` maps Hugging Face tensor names ("model.layers.0.mlp.up_proj.weight") to the
-    file's blocks, for quantization "gguf". Returns the number of layers swapped.
-    """
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding read from the file's blocks (a memory map): a lookup dequantizes only its rows."""
+
+    def __init__(self, raw: np.ndarray, tensor_type, num_embeddings: int, embedding_dim: int,  # noqa: ANN001
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.raw, self.tensor_type, self.dtype = raw, tensor_type, dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import gguf
+
+        rows = self.raw[input_ids.cpu().numpy()]                                  # (T, bytes per row)
+        x = np.asarray(gguf.quants.dequantize(rows, self.tensor_type), dtype=np.float32)
+        return torch.from_numpy(x.reshape(-1, self.embedding_dim)).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.tensor_type.name}"
+
+
+def quantize_linears(model: nn.Module, lib: KernelLibrary, quantization: str) -> int:
+    """int8: swap every float linear layer (and a tied output layer) for an int8 QuantLinear in place,
+    before `use_kernels`. Returns the number of layers swapped."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "none":
+    if quantization != "int8":
         return 0
     swapped = 0
-    for prefix, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear) or child.in_features % quant.QK:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            if quantization == "int8":
-                weight = quant.quantize_int8(child.weight)
-            else:
-                weight = _from_file(full, gguf_weights or {})
-            if weight is not None:
-                setattr(module, name, QuantLinear(lib, weight, child.bias))
+            if isinstance(child, nn.Linear) and child.in_features % quant.QK == 0:
+                setattr(module, name, QuantLinear(lib, [quant.quantize_int8(child.weight)], child.bias))
                 swapped += 1
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", 1) is None and embed is not None and embed.weight.shape[1] % quant.QK == 0:
+    if getattr(model, "lm_head", 1) is None and isinstance(embed, nn.Embedding) \
+            and embed.weight.shape[1] % quant.QK == 0:
         # Tied: the embedding keeps its float table for lookups; the output layer gets its own.
-        if quantization == "int8":
-            weight = quant.quantize_int8(embed.weight)
-        else:
-            weight = (gguf_weights or {}).get("model.embed_tokens.weight")
-        if weight is not None:
-            model.lm_head = QuantLinear(lib, weight, None)
-            swapped += 1
-    logger.info("quantization %s: %d linear layers kept quantized", quantization, swapped)
+        model.lm_head = QuantLinear(lib, [quant.quantize_int8(embed.weight)], None)
+        swapped += 1
+    logger.info("quantization int8: %d linear layers kept quantized", swapped)
     return swapped
-
-
-def _from_file(module_name: str, weights: dict[str, QuantWeight]) -> QuantWeight | None:
-    """The file's blocks for one of our linears (fused parts stacked), or None to stay float."""
-    hf = module_name if module_name == "lm_head" else f"model.{module_name}"
-    for ours, parts in _FUSED.items():
-        if hf.endswith(ours):
-            names = [hf.removesuffix(ours) + part + ".weight" for part in parts]
-            found = [weights.get(n) for n in names]
-            if any(w is None for w in found) or len({w.fmt for w in found}) != 1:
-                return None   # float or mixed formats: one kernel call needs one format
-            return quant.concat_rows(found)
-    return weights.get(hf + ".weight")

@@ -16,7 +16,7 @@ from conveyor.kernels import gemm, quant
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
-from conveyor.model.quant import QuantLinear
+from conveyor.model.quant import QuantEmbedding, QuantLinear
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import kernel_tile_size
 
@@ -126,12 +126,17 @@ def test_gguf_tensors_stay_quantized_and_equal_the_file(tiny_gguf: Path) -> None
                "mlp.down_proj": "q4_0"}
     for name, fmt in formats.items():
         module = layer.get_submodule(name)
-        assert isinstance(module, QuantLinear) and module.weight.fmt == fmt
+        assert isinstance(module, QuantLinear) and {w.fmt for w in module.weights} == {fmt}
         packed = floats.layers[0].get_submodule(name)
-        # Same values as the dequantized file, after the q/k row un-permutation and q/k/v fusing.
-        assert torch.equal(quant.dequantize(module.weight), gemm.unpack(packed.packed, packed.out_features))
+        # Same values as the dequantized file, after the q/k row un-permutation; fused parts are segments.
+        weight = torch.cat([quant.dequantize(w) for w in module.weights])
+        assert torch.equal(weight, gemm.unpack(packed.packed, packed.out_features))
     assert isinstance(kept.lm_head, QuantLinear) and kept.lm_head.weight.fmt == "q8_0"
-    assert torch.equal(quant.dequantize(kept.lm_head.weight), kept.embed_tokens.weight)
+    assert torch.equal(quant.dequantize(kept.lm_head.weight), floats.embed_tokens.weight)
+    # The embedding stays in the file's blocks; a lookup gives the dequantized rows.
+    assert isinstance(kept.embed_tokens, QuantEmbedding)
+    ids = torch.tensor([0, 5, 300, 5])
+    assert torch.equal(kept.embed_tokens(ids), floats.embed_tokens(ids))
     weight_bytes = sum(b.numel() for b in kept.buffers())
     float_bytes = sum(p.numel() * 4 for n, p in floats.named_parameters() if "packed" in n)
     assert weight_bytes < float_bytes / 3

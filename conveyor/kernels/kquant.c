@@ -1,0 +1,547 @@
+/* Matmul on weights kept in llama.cpp's Q5_0, Q4_K, Q5_K and Q6_K block formats, and the linear
+ * layer that runs every quantized format (these and quant.c's Q8_0 / Q4_0 / Q4_1) as segments of
+ * one output: a fused q/k/v whose parts differ in format quantizes its activations once.
+ *
+ * Weights are repacked once at load (kq_repack, straight from the file's blocks) into panels of
+ * NR = 32 output channels. A panel is a run of units along K; a unit is a header of per-channel
+ * scales then its 32-k blocks. Every block holds the low 4 bits of its codes as quant.c's Q4
+ * layout, then the high bits (Q5: 1, Q6: 2) in a plane laid out for the same SIMD lanes:
+ *
+ *   nibbles u8[8 groups][16 ch][4 k]   lo nibble = channel c, hi = channel c + 16      512 B
+ *   Q5 high u8[4 group pairs][8 ch][4 k], bit (o + 4 * (g & 1)) for octet o = c / 8   128 B
+ *   Q6 high u8[8 groups][8 ch][4 k], bits (2o, 2o + 1)                                256 B
+ *
+ *   Q5_0: unit = 1 block,  header d[32] f16                                     704 B / 1024 w
+ *   Q4_K: unit = 8 blocks, header d[32] dmin[32] f16, sc[8][32] m[8][32] u8     4736 B / 8192 w
+ *   Q5_K: as Q4_K with Q5 high planes                                           5760 B / 8192 w
+ *   Q6_K: unit = 8 blocks, header d[32] f16, sc[16][32] i8                      6720 B / 8192 w
+ * so a panel streams about as many bytes as the file holds (Q6_K exactly as many).
+ *
+ * Weights: Q5_0 d (q - 16); Q4_K/Q5_K d sc_j q - dmin m_j per 32-k block j; Q6_K d sc_s (q - 32)
+ * per 16-k half s. Activations are quant.c's: int8 per row and 32-block (d_x = amax / 127), with
+ * their sums. Per work item (a panel, up to MC rows) each block is decoded once into unsigned
+ * codes in L1 and then multiplied by every row (the batch reuses each weight block), MR rows at a
+ * time; each row's float accumulation runs in one fixed order, so no row depends on M or on the
+ * other rows. Code paths: AVX2 (also on AVX-512 parts) and portable C, chosen by the build flags.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define NR 32
+#define MC 64
+#define MR 2
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+
+enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q5_0 = 3, FMT_Q4_K = 4, FMT_Q5_K = 5, FMT_Q6_K = 6, FMT_END };
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_AVX2 1
+#endif
+
+/* quant.c: the legacy formats' tiles over activations quantized here. */
+void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, int64_t K, const float *dx,
+                      const int32_t *sx, const float *sxd, const float *bias, float *y, int64_t ldy, int64_t nc,
+                      int64_t m0, int64_t m1);
+int64_t quant_panel_bytes(int fmt, int64_t K);
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else {
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1; e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------ format geometry */
+
+static inline int64_t unit_k(int fmt) { return fmt == FMT_Q5_0 ? 32 : 256; }
+static inline int64_t header_bytes(int fmt) { return fmt == FMT_Q5_0 ? 64 : fmt == FMT_Q6_K ? 576 : 640; }
+static inline int64_t high_bytes(int fmt) { return fmt == FMT_Q6_K ? 256 : fmt == FMT_Q4_K ? 0 : 128; }
+static inline int64_t body_bytes(int fmt) { return 512 + high_bytes(fmt); }
+static inline int64_t unit_bytes(int fmt) { return header_bytes(fmt) + unit_k(fmt) / QK * body_bytes(fmt); }
+/* The file's block: bytes per unit_k weights of one row. */
+static inline int64_t file_block_bytes(int fmt) {
+    return fmt == FMT_Q5_0 ? 22 : fmt == FMT_Q4_K ? 144 : fmt == FMT_Q5_K ? 176 : 210;
+}
+
+/* Bytes of a repacked (N, K) weight; -1 when the format cannot take K. */
+int64_t kq_packed_bytes(int fmt, int64_t N, int64_t K) {
+    const int64_t panels = (N + NR - 1) / NR;
+    if (fmt < FMT_Q5_0) return K % QK ? -1 : panels * quant_panel_bytes(fmt, K);
+    if (fmt >= FMT_END || K % unit_k(fmt)) return -1;
+    return panels * (K / unit_k(fmt)) * unit_bytes(fmt);
+}
+
+/* ------------------------------------------------------------------ repacking from GGUF blocks */
+
+/* Q4_K / Q5_K: the 6-bit scale and min of 32-k block j from the 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+/* The unsigned codes of one file block (unit_k of them). */
+static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
+    if (fmt == FMT_Q8) {
+        for (int e = 0; e < 32; e++) q[e] = (uint8_t)((int8_t)b[2 + e] + 128);
+    } else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+        const uint8_t *qs = b + (fmt == FMT_Q4_0 ? 2 : 4);
+        for (int e = 0; e < 16; e++) { q[e] = qs[e] & 15; q[e + 16] = qs[e] >> 4; }
+    } else if (fmt == FMT_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        for (int e = 0; e < 16; e++) {
+            q[e] = (uint8_t)((b[6 + e] & 15) | ((qh >> e) & 1) << 4);
+            q[e + 16] = (uint8_t)((b[6 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+        }
+    } else if (fmt == FMT_Q6_K) {
+        for (int half = 0; half < 2; half++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *ql = b + half * 64, hi = b[128 + half * 32 + l];
+                uint8_t *o = q + half * 128;
+                o[l] = (uint8_t)((ql[l] & 15) | (hi & 3) << 4);
+                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((hi >> 2) & 3) << 4);
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | ((hi >> 4) & 3) << 4);
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((hi >> 6) & 3) << 4);
+            }
+    } else {
+        const uint8_t *qs = b + (fmt == FMT_Q4_K ? 16 : 48), *qh = b + 16;
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
+                if (fmt == FMT_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                q[j * 32 + l] = (uint8_t)v;
+            }
+    }
+}
+
+typedef struct {
+    int fmt;
+    const uint8_t *raw;
+    int64_t row_bytes;
+    const int64_t *rows;   /* file row of each output channel, or NULL for the identity */
+    int64_t N, K;
+    uint8_t *out;
+} repack_job;
+
+/* quant.c's layout (Q8: codes [8 g][32 ch][4 k], Q4: nibbles [8 g][16 ch][4 k]; then d[32], m[32]). */
+static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t *q, uint8_t *blk) {
+    const int64_t codes = fmt == FMT_Q8 ? 1024 : 512;
+    for (int k = 0; k < QK; k++) {
+        const int g = k / 4, i = k % 4;
+        if (fmt == FMT_Q8) blk[g * 128 + c * 4 + i] = q[k];
+        else blk[g * 64 + (c % 16) * 4 + i] |= (uint8_t)(q[k] << (c < 16 ? 0 : 4));
+    }
+    memcpy(blk + codes + 2 * c, b, 2);
+    if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, b + 2, 2);
+}
+
+static void repack_panel(void *arg, int64_t p) {
+    const repack_job *j = arg;
+    const int fmt = j->fmt;
+    const int legacy = fmt < FMT_Q5_0;
+    const int64_t uk = legacy ? QK : unit_k(fmt), units = j->K / uk, blocks = uk / QK;
+    const int64_t ub = legacy ? quant_panel_bytes(fmt, QK) : unit_bytes(fmt);
+    const int64_t fb = legacy ? (fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : 20) : file_block_bytes(fmt);
+    uint8_t *panel = j->out + p * units * ub;
+    memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
+    uint8_t q[256];
+    for (int c = 0; c < NR; c++) {
+        const int64_t n = p * NR + c;
+        if (n >= j->N) break;
+        const uint8_t *row = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
+        const int o = c / 8, p8 = (c % 8) * 4;
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *b = row + u * fb;
+            uint8_t *unit = panel + u * ub, *hdr = unit;
+            file_codes(fmt, b, q);
+            if (legacy) { repack_legacy_block(fmt, c, b, q, unit); continue; }
+            if (fmt == FMT_Q6_K) {
+                memcpy(hdr + 2 * c, b + 208, 2);
+                for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = b[192 + s];
+            } else {
+                memcpy(hdr + 2 * c, b, 2);
+                if (fmt != FMT_Q5_0) {
+                    memcpy(hdr + 64 + 2 * c, b + 2, 2);
+                    for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, hdr + 128 + s * 32 + c, hdr + 384 + s * 32 + c);
+                }
+            }
+            for (int64_t kb = 0; kb < blocks; kb++) {
+                uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
+                const uint8_t *qb = q + kb * QK;
+                const int shift = c < 16 ? 0 : 4;
+                for (int g = 0; g < 8; g++) {   /* a channel's 4 k of a group are 4 adjacent bytes */
+                    uint32_t lo = 0, hi = 0, word;
+                    for (int i = 0; i < 4; i++) {
+                        lo |= (uint32_t)(qb[g * 4 + i] & 15) << (8 * i);
+                        hi |= (uint32_t)(qb[g * 4 + i] >> 4) << (8 * i);
+                    }
+                    uint8_t *dst = nib + g * 64 + (c % 16) * 4;
+                    memcpy(&word, dst, 4);
+                    word |= lo << shift;
+                    memcpy(dst, &word, 4);
+                    if (fmt == FMT_Q4_K) continue;
+                    dst = fmt == FMT_Q6_K ? high + g * 32 + p8 : high + (g / 2) * 32 + p8;
+                    memcpy(&word, dst, 4);
+                    word |= hi << (fmt == FMT_Q6_K ? 2 * o : o + 4 * (g & 1));
+                    memcpy(dst, &word, 4);
+                }
+            }
+        }
+    }
+}
+
+/* GGUF blocks of an (N, K) weight (row r at raw + r * row_bytes) -> our panels in `out`
+ * (kq_packed_bytes long; quant.c's layout for Q8_0 / Q4_0 / Q4_1). Returns 0, or -1 for a format or
+ * K it cannot take. */
+int kq_repack(int fmt, const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
+              uint8_t *out, int64_t num_threads) {
+    if (fmt < 0 || fmt >= FMT_END) return -1;
+    const int64_t uk = fmt < FMT_Q5_0 ? QK : unit_k(fmt);
+    const int64_t fb = fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : file_block_bytes(fmt);
+    if (K % uk || row_bytes < K / uk * fb) return -1;
+    repack_job job = {fmt, raw, row_bytes, rows, N, K, out};
+    pool_for((N + NR - 1) / NR, repack_panel, &job, num_threads);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+typedef struct {
+    int8_t *qx;        /* [M][K] */
+    float *dx, *sxd;   /* [M][KB]: scale, scale * sum */
+    int32_t *sx, *s16; /* [M][KB]: sum; the two 16-k half sums as int16 (lo | hi << 16) */
+} acts;
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s, float *sd, int32_t *s16) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t half[2] = {0, 0};
+        for (int i = 0; i < QK; i++) {
+            const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
+            q[b * QK + i] = (int8_t)v;
+            half[i / 16] += v;
+        }
+        d[b] = scale;
+        s[b] = half[0] + half[1];
+        sd[b] = scale * (float)s[b];
+        s16[b] = (int32_t)(((uint32_t)half[0] & 0xffff) | ((uint32_t)half[1] << 16));
+    }
+}
+
+/* ------------------------------------------------------------------ one block decoded, then the rows */
+
+typedef struct {
+    uint8_t codes[8][4][32];   /* [group][octet][8 ch x 4 k]: unsigned codes */
+    float dmul[NR], mmul[NR];  /* per channel: the scale of an integer dot, the min (K4/K5) */
+    int32_t sc16[2][NR];       /* Q6_K: the two halves' scales as int16 pairs (s, s) */
+    int32_t scab[NR];          /* Q6_K: (scale of half 0, scale of half 1) */
+} block_t;
+
+/* Unit header + block kb within it -> block_t. */
+static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk) {
+    const uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
+    const uint16_t *d = (const uint16_t *)unit;
+#if defined(KQ_AVX2)
+    /* The panel streams from memory: ask for the bytes a few blocks ahead (a panel is contiguous). */
+    for (int64_t i = 0; i < body_bytes(fmt); i += 64) _mm_prefetch((const char *)nib + PREFETCH_BYTES + i, _MM_HINT_T0);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < 8; g++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(nib + g * 64));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(nib + g * 64 + 32));
+        __m256i c[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4),
+                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
+        if (fmt == FMT_Q6_K) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(high + g * 32)), m = _mm256_set1_epi8(0x30);
+            c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
+            c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
+            c[2] = _mm256_or_si256(c[2], _mm256_and_si256(u, m));
+            c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
+        } else if (fmt != FMT_Q4_K) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(high + (g / 2) * 32)), m = _mm256_set1_epi8(0x10);
+            if (g & 1) {   /* bits 4..7 -> bit 4 */
+                c[0] = _mm256_or_si256(c[0], _mm256_and_si256(u, m));
+                c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_srli_epi16(u, 1), m));
+                c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
+                c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 3), m));
+            } else {       /* bits 0..3 -> bit 4 */
+                c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
+                c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 3), m));
+                c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
+                c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(u, 1), m));
+            }
+        }
+        for (int o = 0; o < 4; o++) _mm256_storeu_si256((__m256i *)blk->codes[g][o], c[o]);
+    }
+    const __m256i low16 = _mm256_set1_epi32(0xffff);
+    for (int o = 0; o < 4; o++) {
+        const __m256 dc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + o * 8)));
+        if (fmt == FMT_Q5_0) _mm256_storeu_ps(blk->dmul + o * 8, dc);
+        else if (fmt == FMT_Q6_K) {
+            const uint8_t *sc = unit + 64 + 2 * kb * 32 + o * 8;
+            const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+            const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 32)));
+            _mm256_storeu_ps(blk->dmul + o * 8, dc);
+            _mm256_storeu_si256((__m256i *)(blk->sc16[0] + o * 8), _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(a, 16)));
+            _mm256_storeu_si256((__m256i *)(blk->sc16[1] + o * 8), _mm256_or_si256(_mm256_and_si256(b, low16), _mm256_slli_epi32(b, 16)));
+            _mm256_storeu_si256((__m256i *)(blk->scab + o * 8), _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(b, 16)));
+        } else {
+            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 32 + o * 8)));
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 128 + kb * 32 + o * 8)));
+            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 384 + kb * 32 + o * 8)));
+            _mm256_storeu_ps(blk->dmul + o * 8, _mm256_mul_ps(dc, _mm256_cvtepi32_ps(sc)));
+            _mm256_storeu_ps(blk->mmul + o * 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(m)));
+        }
+    }
+#else
+    for (int g = 0; g < 8; g++)
+        for (int o = 0; o < 4; o++)
+            for (int p = 0; p < 32; p++) {
+                const uint8_t v = nib[g * 64 + (o & 1) * 32 + p];
+                int q = o < 2 ? v & 15 : v >> 4;
+                if (fmt == FMT_Q6_K) q |= ((high[g * 32 + p] >> (2 * o)) & 3) << 4;
+                else if (fmt != FMT_Q4_K) q |= ((high[(g / 2) * 32 + p] >> (o + 4 * (g & 1))) & 1) << 4;
+                blk->codes[g][o][p] = (uint8_t)q;
+            }
+    for (int c = 0; c < NR; c++) {
+        const float dc = f16_to_f32(d[c]);
+        if (fmt == FMT_Q5_0) blk->dmul[c] = dc;
+        else if (fmt == FMT_Q6_K) {
+            const int8_t *sc = (const int8_t *)(unit + 64);
+            const int32_t a = sc[(2 * kb) * 32 + c], b = sc[(2 * kb + 1) * 32 + c];
+            blk->dmul[c] = dc;
+            blk->sc16[0][c] = (int32_t)(((uint32_t)a & 0xffff) | ((uint32_t)a << 16));
+            blk->sc16[1][c] = (int32_t)(((uint32_t)b & 0xffff) | ((uint32_t)b << 16));
+            blk->scab[c] = (int32_t)(((uint32_t)a & 0xffff) | ((uint32_t)b << 16));
+        } else {
+            const uint16_t *dmin = (const uint16_t *)(unit + 64);
+            blk->dmul[c] = dc * (float)unit[128 + kb * 32 + c];
+            blk->mmul[c] = f16_to_f32(dmin[c]) * (float)unit[384 + kb * 32 + c];
+        }
+    }
+#endif
+}
+
+/* acc[r][0..32) += this block's contribution for rows r < mr (row r's activations at offset r). */
+static inline __attribute__((always_inline)) void block_rows(const int fmt, const int mr, const block_t *blk,
+                                                             const int8_t *qx, int64_t K, const float *dx,
+                                                             const int32_t *sx, const float *sxd,
+                                                             const int32_t *s16, int64_t KB, float (*acc)[NR]) {
+#if defined(KQ_AVX2)
+    __m256i dot[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < 8; g++) {
+        __m256i xb[MR];
+        for (int r = 0; r < mr; r++) {
+            int32_t four;
+            memcpy(&four, qx + r * K + g * 4, 4);
+            xb[r] = _mm256_set1_epi32(four);
+        }
+        for (int o = 0; o < 4; o++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
+            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g / 4] + o * 8)) : ones;
+            for (int r = 0; r < mr; r++)
+                dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb[r]), s));
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = r * KB;
+        const __m256 sdx = _mm256_set1_ps(dx[i]);
+        for (int o = 0; o < 4; o++) {
+            __m256i dt = dot[r][o];
+            if (fmt == FMT_Q5_0) dt = _mm256_sub_epi32(dt, _mm256_set1_epi32(16 * sx[i]));
+            if (fmt == FMT_Q6_K) {
+                const __m256i ab = _mm256_loadu_si256((const __m256i *)(blk->scab + o * 8));
+                dt = _mm256_sub_epi32(dt, _mm256_slli_epi32(_mm256_madd_epi16(ab, _mm256_set1_epi32(s16[i])), 5));
+            }
+            __m256 a = _mm256_loadu_ps(acc[r] + o * 8);
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), _mm256_mul_ps(_mm256_loadu_ps(blk->dmul + o * 8), sdx), a);
+            if (fmt == FMT_Q4_K || fmt == FMT_Q5_K)
+                a = _mm256_fnmadd_ps(_mm256_loadu_ps(blk->mmul + o * 8), _mm256_set1_ps(sxd[i]), a);
+            _mm256_storeu_ps(acc[r] + o * 8, a);
+        }
+    }
+#else
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = r * KB;
+        const int8_t *q = qx + r * K;
+        const int16_t h0 = (int16_t)(s16[i] & 0xffff), h1 = (int16_t)((uint32_t)s16[i] >> 16);
+        for (int c = 0; c < NR; c++) {
+            const int o = c / 8, p = (c % 8) * 4;
+            int32_t dot = 0;
+            for (int g = 0; g < 8; g++) {
+                int32_t part = 0;
+                for (int k = 0; k < 4; k++) part += (int32_t)blk->codes[g][o][p + k] * q[g * 4 + k];
+                dot += fmt == FMT_Q6_K ? part * (int16_t)(blk->sc16[g / 4][c] & 0xffff) : part;
+            }
+            if (fmt == FMT_Q5_0) dot -= 16 * sx[i];
+            if (fmt == FMT_Q6_K) {
+                const int32_t ab = blk->scab[c];
+                dot -= 32 * ((int16_t)(ab & 0xffff) * h0 + (int16_t)((uint32_t)ab >> 16) * h1);
+            }
+            float a = acc[r][c] + (float)dot * (blk->dmul[c] * dx[i]);
+            if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) a -= blk->mmul[c] * sxd[i];
+            acc[r][c] = a;
+        }
+    }
+#endif
+}
+
+#define FORMAT_ROWS(F)                                                                                           \
+    for (int64_t r = m0; r < m1; r += MR) {                                                                     \
+        const int64_t a = r * KB + kbg;                                                                          \
+        if (m1 - r >= 2) block_rows(F, 2, &blk, qx + r * K + kbg * QK, K, dx + a, sx + a, sxd + a, s16 + a, KB, \
+                                    acc + (r - m0));                                                             \
+        else block_rows(F, 1, &blk, qx + r * K + kbg * QK, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+    }
+
+/* Rows m0..m1 (at most MC) of one panel of a K-quant / Q5_0 weight -> y columns [0, nc). */
+static void kq_panel_rows(int fmt, const uint8_t *wp, int64_t K, const acts *x, const float *bias, float *y,
+                          int64_t ldy, int64_t nc, int64_t m0, int64_t m1) {
+    float acc[MC][NR];
+    memset(acc, 0, sizeof(float) * NR * (size_t)(m1 - m0));
+    const int64_t KB = K / QK, blocks = unit_k(fmt) / QK, units = K / unit_k(fmt);
+    const int8_t *qx = x->qx;
+    const float *dx = x->dx, *sxd = x->sxd;
+    const int32_t *sx = x->sx, *s16 = x->s16;
+    block_t blk;
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *unit = wp + u * unit_bytes(fmt);
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const int64_t kbg = u * blocks + kb;
+            decode_block(fmt, unit, kb, &blk);
+            switch (fmt) {
+                case FMT_Q5_0: FORMAT_ROWS(FMT_Q5_0); break;
+                case FMT_Q4_K: FORMAT_ROWS(FMT_Q4_K); break;
+                case FMT_Q5_K: FORMAT_ROWS(FMT_Q5_K); break;
+                default: FORMAT_ROWS(FMT_Q6_K); break;
+            }
+        }
+    }
+    for (int64_t r = m0; r < m1; r++)
+        for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = acc[r - m0][c] + (bias ? bias[c] : 0.f);
+}
+
+/* ------------------------------------------------------------------ the linear layer */
+
+typedef struct {
+    int64_t fmt, n;           /* format code, output channels */
+    const uint8_t *w;         /* repacked panels */
+    const float *bias;        /* (n,) or NULL */
+} kq_segment;
+
+#define KQ_MAX_SEGMENTS 4
+typedef struct {
+    int64_t num_segments, k;
+    kq_segment seg[KQ_MAX_SEGMENTS];
+} kq_linear_t;
+
+typedef struct {
+    const kq_linear_t *L;
+    const float *x;
+    int64_t ldx, ldy, M;
+    float *y;
+    acts a;
+    int64_t first_item[KQ_MAX_SEGMENTS + 1], col[KQ_MAX_SEGMENTS], panels[KQ_MAX_SEGMENTS];
+} linear_job;
+
+static void quantize_item(void *arg, int64_t m) {
+    const linear_job *j = arg;
+    const int64_t K = j->L->k, KB = K / QK;
+    quantize_row(j->x + m * j->ldx, K, j->a.qx + m * K, j->a.dx + m * KB, j->a.sx + m * KB, j->a.sxd + m * KB,
+                 j->a.s16 + m * KB);
+}
+
+/* Items: per segment, (block of MC rows, panel), block-major. */
+static void linear_item(void *arg, int64_t item) {
+    const linear_job *j = arg;
+    int s = 0;
+    while (item >= j->first_item[s + 1]) s++;
+    const kq_segment *seg = &j->L->seg[s];
+    const int64_t local = item - j->first_item[s], panels = j->panels[s], K = j->L->k, KB = K / QK;
+    const int64_t p = local % panels, m0 = (local / panels) * MC, m1 = min64(j->M, m0 + MC);
+    const int64_t n0 = p * NR, nc = min64(NR, seg->n - n0);
+    const float *bias = seg->bias ? seg->bias + n0 : 0;
+    float *y = j->y + j->col[s] + n0;
+    const int fmt = (int)seg->fmt;
+    if (fmt < FMT_Q5_0) {
+        const uint8_t *wp = seg->w + p * quant_panel_bytes(fmt, K);
+        quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
+                         j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
+    } else {
+        const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
+        acts shifted = {j->a.qx + m0 * K, j->a.dx + m0 * KB, j->a.sxd + m0 * KB, j->a.sx + m0 * KB,
+                        j->a.s16 + m0 * KB};
+        kq_panel_rows(fmt, wp, K, &shifted, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
+    }
+}
+
+/* y[M, sum n] = x[M, K] . [W_0; W_1; ...]^T (+ biases): activations quantized once for every segment.
+ * Returns 0, -1 for a format or K a segment cannot take, -2 when out of memory. */
+int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64_t ldy, int64_t M,
+              int64_t num_threads) {
+    const int64_t K = L->k;
+    if (K % QK || L->num_segments < 1 || L->num_segments > KQ_MAX_SEGMENTS) return -1;
+    for (int64_t s = 0; s < L->num_segments; s++)
+        if (L->seg[s].fmt < 0 || L->seg[s].fmt >= FMT_END || K % (L->seg[s].fmt < FMT_Q5_0 ? QK : unit_k((int)L->seg[s].fmt)))
+            return -1;
+    if (M <= 0) return 0;
+    const int64_t KB = K / QK, blocks = (M + MC - 1) / MC;
+    linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, {0}, {0}};
+    job.a.qx = malloc((size_t)(M * K));
+    job.a.dx = malloc(sizeof(float) * M * KB);
+    job.a.sxd = malloc(sizeof(float) * M * KB);
+    job.a.sx = malloc(sizeof(int32_t) * M * KB);
+    job.a.s16 = malloc(sizeof(int32_t) * M * KB);
+    if (!job.a.qx || !job.a.dx || !job.a.sxd || !job.a.sx || !job.a.s16) {
+        free(job.a.qx); free(job.a.dx); free(job.a.sxd); free(job.a.sx); free(job.a.s16);
+        return -2;
+    }
+    int64_t col = 0;
+    for (int64_t s = 0; s < L->num_segments; s++) {
+        job.col[s] = col;
+        col += L->seg[s].n;
+        job.panels[s] = (L->seg[s].n + NR - 1) / NR;
+        job.first_item[s + 1] = job.first_item[s] + job.panels[s] * blocks;
+    }
+    pool_for(M, quantize_item, &job, M * K < 16384 ? 1 : num_threads);   /* a few rows: not worth a thread */
+    pool_for(job.first_item[L->num_segments], linear_item, &job, num_threads);
+    free(job.a.qx); free(job.a.dx); free(job.a.sxd); free(job.a.sx); free(job.a.s16);
+    return 0;
+}
+
+/* Which code path this build took for these formats: 0 portable, 1 AVX2. */
+int kq_isa(void) {
+#if defined(KQ_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
