@@ -37,7 +37,7 @@
 #define QK 32
 #define NR 32
 #define MC 64
-#define MR 2
+#define MR 3
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
@@ -353,22 +353,33 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
                                                              const int32_t *sx, const float *sxd,
                                                              const int32_t *s16, int64_t KB, float (*acc)[NR]) {
 #if defined(KQ_AVX2)
-    __m256i dot[MR][4];
+    /* maddubs sums pairs into int16; several groups are summed there before widening (madd), as
+     * many as cannot overflow with |x| <= 127: 2 * 15 * 127 * 8, 2 * 31 * 127 * 4, 2 * 63 * 127 * 2
+     * all stay under 32767. Q6_K widens with its per-16 scales as the madd operand. */
+    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
+    __m256i dot[MR][4], part[MR][4];
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int g = 0; g < 8; g++) {
-        __m256i xb[MR];
-        for (int r = 0; r < mr; r++) {
-            int32_t four;
-            memcpy(&four, qx + r * K + g * 4, 4);
-            xb[r] = _mm256_set1_epi32(four);
+    for (int g0 = 0; g0 < 8; g0 += SPAN) {
+        for (int g = g0; g < g0 + SPAN; g++) {
+            __m256i xb[MR];
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, qx + r * K + g * 4, 4);
+                xb[r] = _mm256_set1_epi32(four);
+            }
+            for (int o = 0; o < 4; o++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
+                for (int r = 0; r < mr; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(w, xb[r]);
+                    part[r][o] = g == g0 ? p : _mm256_add_epi16(part[r][o], p);
+                }
+            }
         }
         for (int o = 0; o < 4; o++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
-            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g / 4] + o * 8)) : ones;
-            for (int r = 0; r < mr; r++)
-                dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb[r]), s));
+            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g0 / 4] + o * 8)) : ones;
+            for (int r = 0; r < mr; r++) dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(part[r][o], s));
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -414,12 +425,16 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
 #endif
 }
 
+/* Q4_K sums all 8 groups in int16 and has registers for 3 rows; the others for 2. */
 #define FORMAT_ROWS(F)                                                                                           \
-    for (int64_t r = m0; r < m1; r += MR) {                                                                     \
-        const int64_t a = r * KB + kbg;                                                                          \
-        if (m1 - r >= 2) block_rows(F, 2, &blk, qx + r * K + kbg * QK, K, dx + a, sx + a, sxd + a, s16 + a, KB, \
-                                    acc + (r - m0));                                                             \
-        else block_rows(F, 1, &blk, qx + r * K + kbg * QK, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+    for (int64_t r = m0; r < m1;) {                                                                             \
+        const int64_t a = r * KB + kbg, left = m1 - r;                                                           \
+        const int8_t *q = qx + r * K + kbg * QK;                                                                 \
+        const int mr = left >= 3 && F == FMT_Q4_K ? 3 : left >= 2 ? 2 : 1;                                      \
+        if (mr == 3) block_rows(F, 3, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));         \
+        else if (mr == 2) block_rows(F, 2, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));    \
+        else block_rows(F, 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));                 \
+        r += mr;                                                                                                 \
     }
 
 /* Rows m0..m1 (at most MC) of one panel of a K-quant / Q5_0 weight -> y columns [0, nc). */
