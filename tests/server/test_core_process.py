@@ -126,8 +126,9 @@ def test_big_messages_cross_the_pipe_under_uvloop(tiny_checkpoint: Path) -> None
     from conveyor.engine.core_process import ProcessCoreClient
     from conveyor.engine.messages import WatchBatch
 
-    client = ProcessCoreClient(EngineConfig.from_options(model=str(tiny_checkpoint), threads=1,
-                                                         kv_cache_memory="64MiB"))
+    # float32 KV whatever the CPU, so 128 MiB is more than 8192 blocks everywhere.
+    client = ProcessCoreClient(EngineConfig.from_options(model=str(tiny_checkpoint), threads=1, dtype="float32",
+                                                         kv_cache_memory="128MiB"))
     client.wait_ready()
     deaths: list[str] = []
 
