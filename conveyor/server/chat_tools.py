@@ -10,8 +10,9 @@ A chat template that takes `tools` gets them as it expects; for one that does no
 into a system block (DEFAULT_TOOLS_PROMPT, appended to the first system message or put before the
 conversation), earlier tool calls are written back into their assistant turns in the same form,
 and tool results into `<tool_response>` blocks. `required` and a named function are enforced with
-an xgrammar structural tag whose arguments follow each function's JSON schema; `auto` is parsed
-from the output (tool_calls.py).
+an xgrammar structural tag whose arguments follow each function's JSON schema, and the output is
+nothing but the calls: the grammar then admits only the end of the turn, so the reply ends at the
+call as OpenAI's does. `auto` is parsed from the output (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str 
                 "end": "}\n</tool_call>"}
 
     if isinstance(tool_choice, str):   # required: one call or more (one with parallel_tool_calls false)
-        fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": ["<tool_call>"],
+        # Calls only, one per line: triggered_tags would let free text follow the call.
+        fmt: dict[str, Any] = {"type": "tags_with_separator", "separator": "\n",
                                "tags": [tag(tool) for tool in tools], "at_least_one": True,
                                "stop_after_first": not parallel_tool_calls}
     else:

@@ -281,7 +281,9 @@ class OpenAIServing:
             parsed, calls = parse_tool_calls(content or "")
             if calls:   # a reply without calls keeps its text as generated
                 content = parsed
-        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls)),
+            if body.forces_tool_calls:   # any text besides the calls is a call cut short by max_tokens
+                content = None
+        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None),
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
@@ -305,6 +307,8 @@ class OpenAIServing:
                     text, calls = parsers[index].feed(text)
                     if output.finished:
                         text += parsers[index].finish()
+                    if body.forces_tool_calls:   # as in _chat_choice: only a cut-short call is left as text
+                        text = ""
                 if not (text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
                 first = parsers[index].num_calls - len(calls) if parsers is not None else 0

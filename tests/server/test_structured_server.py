@@ -108,7 +108,7 @@ def check_calls(calls, names: set[str]) -> None:
 
 
 def test_tool_choice_required_yields_valid_tool_calls(client: openai.OpenAI) -> None:
-    choice = chat(client, tools=TOOLS, tool_choice="required")
+    choice = chat(client, max_tokens=120, tools=TOOLS, tool_choice="required")
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, {"get_weather", "add"})
     single = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
@@ -122,9 +122,42 @@ def test_named_tool_choice_calls_that_function(client: openai.OpenAI) -> None:
     check_calls(choice.message.tool_calls, {"add"})
 
 
+@pytest.mark.parametrize(("tool_choice", "parallel", "max_tokens", "finish"), [
+    ("required", False, 64, "tool_calls"),
+    ("required", False, 200, "tool_calls"),
+    ("required", True, 200, "tool_calls"),
+    # The model goes on to a second call (44 tokens each) that max_tokens cuts short: it is left out.
+    ("required", True, 64, "length"),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 64, "tool_calls"),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 200, "tool_calls"),
+])
+def test_forced_tool_choice_ends_at_the_call(client: openai.OpenAI, tool_choice, parallel: bool, max_tokens: int,
+                                             finish: str) -> None:
+    """As OpenAI and vLLM answer: the calls and nothing else, content null, finish tool_calls."""
+    choice = chat(client, max_tokens=max_tokens, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel)
+    assert choice.finish_reason == finish
+    assert choice.message.content is None
+    check_calls(choice.message.tool_calls, {"get_weather", "add"})
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=max_tokens,
+                                            tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+                                            stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    assert chunks[-1].finish_reason == finish
+    assert sum(len(c.delta.tool_calls or []) for c in chunks) == len(choice.message.tool_calls)
+
+
+def test_a_reply_without_tool_calls_leaves_the_field_out(server: RunningServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                          json={"messages": ASK, "max_tokens": 4})
+    assert response.status_code == 200
+    message = response.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"]
+
+
 def test_streamed_tool_calls_arrive_as_openai_sends_them(client: openai.OpenAI) -> None:
-    whole = chat(client, tools=TOOLS, tool_choice="required")
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=80, tools=TOOLS,
+    whole = chat(client, max_tokens=120, tools=TOOLS, tool_choice="required")
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=120, tools=TOOLS,
                                             tool_choice="required", stream=True)
     calls: dict[int, dict] = {}
     finish = None
