@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.structured_output import json_schema_refusal
+from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -83,6 +85,37 @@ def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | No
     else:
         chat.insert(0, {"role": "system", "content": block})
     return chat, None
+
+
+def check_tool_schemas(tools: list[ToolDefinition] | None) -> None:
+    """Refuse a tool whose parameters are not a JSON schema, or one the grammar compiler cannot enforce.
+
+    Checked whatever tool_choice, so a tool that `required` would refuse is not accepted under `auto`.
+    """
+    for i, tool in enumerate(tools or []):
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        problem = _metaschema_problem(schema)
+        if problem is None and (refusal := json_schema_refusal(schema)) is not None:
+            problem = f"it cannot be enforced: {refusal}"
+        if problem is not None:
+            raise InvalidRequest(f"tool {tool.function.name!r}: its parameters are not a usable JSON schema: {problem}",
+                                 param=f"tools[{i}].function.parameters")
+
+
+def _metaschema_problem(schema: dict[str, Any]) -> str | None:
+    """What the JSON Schema metaschema (of the draft the schema names, 2020-12 by default) finds wrong."""
+    try:
+        import jsonschema
+    except ImportError:   # the server extra installs it; without it only the grammar compiler checks
+        return None
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
+        return f"{exc.message} (at parameters{where})"
+    return None
 
 
 def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,

@@ -45,7 +45,7 @@ from conveyor.server.responses import (
     TopLogprob,
     UsageInfo,
 )
-from conveyor.server.chat_tools import template_input
+from conveyor.server.chat_tools import check_tool_schemas, template_input
 from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 from conveyor.server.streaming import (
     DONE_EVENT,
@@ -250,6 +250,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
+        if body.tools:
+            await asyncio.to_thread(check_tool_schemas, body.tools)
         await self.compile_grammar(params, body.constraint_field)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS

@@ -247,6 +247,35 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(server: RunningServ
     assert response.json()["error"]["param"] == param
 
 
+def _tool_with(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "lookup"}}])
+@pytest.mark.parametrize(("parameters", "problem"), [
+    ({"type": "objekt"}, "at parameters.type"),                                        # the metaschema refuses it
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(open"}}}, "regex"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}, "cannot be enforced"),  # the grammar does
+])
+def test_every_tool_schema_is_checked_on_arrival(client: openai.OpenAI, tool_choice, parameters: dict,
+                                                 problem: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=4, tools=[WEATHER, _tool_with(parameters)], tool_choice=tool_choice)
+    error = caught.value.body
+    assert error["param"] == "tools[1].function.parameters"
+    assert "tool 'lookup'" in error["message"] and problem in error["message"]
+    assert not re.search(r"\.(cc|h|cpp)\b|/project/|\[\d\d:\d\d", error["message"]), error["message"]
+
+
+def test_grammar_errors_carry_no_library_internals(server: RunningServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}}}})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "defs" in message and not re.search(r"\.(cc|h|cpp)\b|/project/", message), message
+
+
 def test_harmless_defaults_and_nulls_are_accepted(server: RunningServer) -> None:
     response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
         "messages": ASK, "max_tokens": 2, "store": False, "modalities": ["text"], "functions": None,
