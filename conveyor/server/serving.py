@@ -103,6 +103,7 @@ class OpenAIServing:
         # Token strings for logprobs; an LRU since the same tokens come back all the time.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
+        self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(self.tokenizer.token_bytes)
 
     # ------------------------------------------------------------ shared
 
@@ -232,17 +233,29 @@ class OpenAIServing:
                                       usage=usage).model_dump_json())
         yield DONE_EVENT
 
+    def _completion_token(self, token_id: int) -> str:
+        """The token as completions' logprobs name it: its text, or, for a token that is not whole UTF-8
+        characters, "bytes:" and its bytes escaped, as OpenAI writes them (so such tokens stay apart)."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text:
+            raw = self.token_bytes(token_id)
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
     def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for entry in logprobs:
-            token = self.token_text(entry.token_id)
-            top = {self.token_text(token_id): logprob for token_id, logprob in entry.top}
+            token = self._completion_token(entry.token_id)
+            top = {self._completion_token(token_id): logprob for token_id, logprob in entry.top}
             top.setdefault(token, entry.logprob)
             result.tokens.append(token)
             result.token_logprobs.append(entry.logprob)
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
-            text_offset += len(token)
+            text_offset += len(self.token_text(entry.token_id))
         return result
 
     # ------------------------------------------------------------ /v1/chat/completions
@@ -331,8 +344,9 @@ class OpenAIServing:
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:
-            token = self.token_text(token_id)
-            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+            # bytes are the token's own, also where its text is U+FFFD (a part of a UTF-8 character)
+            return TopLogprob(token=self.token_text(token_id), logprob=logprob,
+                              bytes=list(self.token_bytes(token_id)))
 
         content = []
         for entry in logprobs:

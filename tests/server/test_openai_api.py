@@ -198,6 +198,25 @@ def test_chat_logprobs(client: openai.OpenAI, tiny_server: RunningServer) -> Non
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_logprob_bytes_are_the_tokens_own_for_parts_of_a_character(client: openai.OpenAI,
+                                                                    tiny_server: RunningServer) -> None:
+    """Two single-byte tokens of "é" (0xC3 0xA9), pushed to the top with logit_bias: each entry's bytes are
+    its own byte, not U+FFFD's, in the sampled entries and in top_logprobs; completions name them "bytes:"."""
+    backend = tiny_server.engine.tokenizer.backend
+    lead, tail = backend.token_to_id("\u00c3"), backend.token_to_id("\u00a9")   # byte-level spellings of 0xC3, 0xA9
+    bias = {str(lead): 100, str(tail): 90}
+    result = client.chat.completions.create(model=tiny_server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=1, logprobs=True, top_logprobs=2, logit_bias=bias, **GREEDY)
+    entry = result.choices[0].logprobs.content[0]
+    assert entry.bytes == [0xC3]
+    assert [top.bytes for top in entry.top_logprobs] == [[0xC3], [0xA9]]
+    completion = client.completions.create(model=tiny_server.model_name, prompt="hi", max_tokens=1, logprobs=2,
+                                           logit_bias=bias, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == ["bytes:\\xc3"]
+    assert set(logprobs.top_logprobs[0]) == {"bytes:\\xc3", "bytes:\\xa9"}
+
+
 def test_stop_string(client: openai.OpenAI, tiny_server: RunningServer) -> None:
     base = client.completions.create(model=tiny_server.model_name, prompt="the quick", max_tokens=20, **GREEDY)
     text = base.choices[0].text
