@@ -291,9 +291,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _UvicornNames(logging.Filter):
+    """uvicorn logs its server's life (start-up, the address, shutdown) under `uvicorn.error` whatever
+    the level; those lines are shown as `uvicorn`, and its access lines stay `uvicorn.access`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def configure_logging(level: str | None, default: str) -> None:
     logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_UvicornNames())
 
 
 def generate(args: argparse.Namespace) -> int:

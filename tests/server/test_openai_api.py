@@ -289,3 +289,23 @@ def test_periodic_stats_line(tiny_checkpoint, caplog: pytest.LogCaptureFixture) 
         assert lines and "Running:" in lines[0] and "KV cache usage:" in lines[0]
     finally:
         server.stop()
+
+
+def test_first_stats_line_after_an_idle_start_averages_only_busy_time(tiny_checkpoint,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Idle time before a request is no part of the average: a server idle for 2 s, then generating at
+    ~50 tokens/s (steps slowed to 20 ms), must not report ~0 tokens/s in its first line."""
+    import time
+
+    server = start_server(tiny_checkpoint, max_num_seqs=2, server_options={"stats_log_interval_s": 0.5})
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        time.sleep(2.0)
+        with caplog.at_level(logging.INFO, logger="conveyor.server.metrics"), slow_steps(server.engine, 0.02):
+            client.completions.create(model=server.model_name, prompt="hello", max_tokens=100, **GREEDY)
+        lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+        assert lines
+        rate = float(lines[0].split("Avg generation throughput: ")[1].split(" ")[0])
+        assert rate > 2.0, lines[0]   # averaged over the idle 2 s as well, it would be under 1
+    finally:
+        server.stop()
