@@ -115,6 +115,8 @@ def _metaschema_problem(schema: dict[str, Any]) -> str | None:
     except jsonschema.SchemaError as exc:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
         return f"{exc.message} (at parameters{where})"
+    except RecursionError:
+        return "it is nested too deeply"
     return None
 
 

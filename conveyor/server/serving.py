@@ -298,7 +298,8 @@ class OpenAIServing:
                 content = parsed
             if body.forces_tool_calls:   # any text besides the calls is a call cut short by max_tokens
                 content = None
-        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None),
+        message = AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None)
+        return ChatChoice(index=index, message=message,
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
