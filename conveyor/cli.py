@@ -188,6 +188,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _add_served_model_name(parser: argparse.ArgumentParser, who: str) -> None:
+    parser.add_argument("--served-model-name", default=None,
+                        help=f"the model name {who} (default: the model file's name without .gguf, or the "
+                             f"folder's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="An LLM serving engine built around continuous batching",
                                      formatter_class=DefaultsHelpFormatter)
@@ -222,8 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-dashboard", dest="enable_dashboard", action="store_false",
                        help="remove the live view of the batch, / and /dashboard (default: served; its event "
                             "stream needs the API key when one is set)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model file's name without .gguf, or the folder's)")
+    _add_served_model_name(serve, "clients send")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="requests allowed to wait for a batch slot (--max-num-seqs); past it the answer is a 429 "
                             "with Retry-After, before any response starts; 0 = no queue: accept only what can "
@@ -268,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="results, one line per request (appended; custom_ids already there are skipped)")
     batch.add_argument("--max-concurrent-requests", type=int, default=None,
                        help="requests in flight at once (default: twice --max-num-seqs)")
+    _add_served_model_name(batch, "the lines' bodies name (a file written for another model runs as it is)")
     _add_engine_flags(batch)
     batch.set_defaults(subparser=batch)
     return parser
@@ -287,9 +293,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _UvicornNames(logging.Filter):
+    """uvicorn logs its server's life (start-up, the address, shutdown) under `uvicorn.error` whatever
+    the level; those lines are shown as `uvicorn`, and its access lines stay `uvicorn.access`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def configure_logging(level: str | None, default: str) -> None:
     logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_UvicornNames())
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -376,8 +394,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     input_path = Path(args.input_file)
     if not input_path.is_file():
         raise ValueError(f"input file not found: {input_path}")
-    return run_batch(EngineConfig.from_options(**engine_options(args)), input_path, Path(args.output_file),
-                     args.max_concurrent_requests)
+    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
+    return run_batch(config, input_path, Path(args.output_file), args.max_concurrent_requests)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -90,7 +90,11 @@ class EngineCore:
         torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(config.model.model)
         self.device = torch.device(config.model.device)
+        phase_started = time.perf_counter()
         self.kernel_library = kernels.library() if self.device.type == "cpu" else None
+        if self.device.type == "cpu":
+            logger.info("start-up: C kernels %s in %.2f s", "ready" if self.kernel_library is not None
+                        else "unavailable (torch kernels)", time.perf_counter() - phase_started)
         self.quantization = resolve_quantization(config.model.quantization, self.model_path, self.device.type,
                                                  config.model.dtype, self.kernel_library,
                                                  config.model.tensor_parallel_size)
@@ -99,6 +103,7 @@ class EngineCore:
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         tp = config.model.tensor_parallel_size
         comm, workers = None, []
+        # The model phase: the loader logs it with its seconds.
         if tp > 1:   # the ranks share the cores: more threads each would spin on them
             num_threads = max(1, num_threads // tp)
             self.model, comm, workers = load_rank0(self.model_path, self.dtype, self.kernel_library, tp, num_threads)
@@ -121,9 +126,12 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
                              f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.dtype)} bytes)")
+        phase_started = time.perf_counter()
         self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device,
                                 transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,
+                    cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, time.perf_counter() - phase_started)
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
@@ -148,9 +156,8 @@ class EngineCore:
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
                              enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path))
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d; core ready in %.2f s",
-                    num_blocks, cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, self.max_model_len,
-                    self.info.startup_s)
+        logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
+                    self.max_model_len)
         sched = config.scheduler
         logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d",
                     "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,

@@ -13,8 +13,10 @@ xgrammar is an optional dependency (`pip install 'conveyor[structured]'`), impor
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ANY_OBJECT = '{"type": "object"}'
+# xgrammar's messages start with a time stamp and its C++ source location: "[16:06:50] /project/cpp/x.cc:49: ".
+_SOURCE_LOCATION = re.compile(r"^(\[[\d:]+\]\s*)?\S+\.(cc|cpp|h|hpp):\d+:\s*")
 _CACHE_BYTES = 256 * 2**20   # compiled grammars kept per process; a server sent endless new schemas stays bounded
 
 
@@ -86,8 +90,28 @@ class GrammarCompiler:
             return compiler.compile_structural_tag(spec.structural_tag)
         except Exception as exc:   # xgrammar raises RuntimeError / ValueError / its own types, with the reason
             kind = spec.key.split(":", 1)[0]
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidRequest(f"the {kind} constraint could not be compiled: {reason}", param=param) from None
+            raise InvalidRequest(f"the {kind} constraint could not be compiled: {refusal_reason(exc)}",
+                                 param=param) from None
+
+
+def refusal_reason(exc: Exception) -> str:
+    """xgrammar's reason in one line, without its time stamp and C++ source location."""
+    text = str(exc).strip()
+    return _SOURCE_LOCATION.sub("", text.splitlines()[0]) if text else type(exc).__name__
+
+
+def json_schema_refusal(schema: dict[str, Any]) -> str | None:
+    """Why the grammar compiler would refuse this JSON schema, or None (also when xgrammar is not installed).
+
+    Converts the schema to a grammar without the vocabulary, so it costs milliseconds, not a compile.
+    """
+    if importlib.util.find_spec("xgrammar") is None:
+        return None
+    try:
+        _xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except Exception as exc:   # as in GrammarCompiler.compile
+        return refusal_reason(exc)
+    return None
 
 
 _compilers: dict[tuple[str, int], GrammarCompiler] = {}

@@ -54,6 +54,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: each of the 256 characters a byte-level BPE vocabulary
+    spells a byte with -> that byte. Printable Latin-1 bytes stand for themselves; the others are
+    shifted to 256 and up."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    byte_of = {chr(b): b for b in kept}
+    shifted = 0
+    for byte in range(256):
+        if chr(byte) not in byte_of:
+            byte_of[chr(256 + shifted)] = byte
+            shifted += 1
+    return byte_of
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -127,6 +142,36 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when they are part of a UTF-8 character (where decode
+        gives U+FFFD): a byte-level BPE token's bytes, a `<0xNN>` byte-fallback token's byte, an added
+        token's text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
+        if self._is_byte_level:
+            byte_of = _byte_level_decoder()
+            if all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+            return piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")   # SentencePiece spells a space as U+2581
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _is_byte_level(self) -> bool:
+        decoder = self.backend.decoder
+        return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode("utf-8")
 
     # -- chat template -------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The Ray Serve application: an ingress, N engine replicas, and a metrics hub.
 
     Ray's HTTP proxy -> ConveyorIngress --(handle, PrefixAffinityRouter)--> ConveyorEngine x N
-                          /metrics  <-- merged --  MetricsHub  <-- each replica pushes its /metrics
+                          /metrics: asks each replica the hub knows    <-- its metrics, now
+                                    (the hub's copy if one is late)
+                          MetricsHub  <-- each replica pushes its /metrics every few seconds
 
 Ray's proxy hands a deployment the request's headers only (the replica pulls the body later), so
 a router in front of the engines cannot see the prompt. The ingress reads the body, computes the
@@ -37,6 +39,7 @@ from conveyor.replicas.http_bridge import ForwardedRequest, RelayResponse, Repli
 from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix
 from conveyor.replicas.router import ROUTING_KEY_ARG, PrefixAffinityRouter
+from conveyor.replicas.routing import RoutingKey
 from conveyor.server.app import error_response
 from conveyor.server.serve import build_app_over, start_core
 
@@ -46,6 +49,9 @@ _ROUTING_STATS_PERIOD_S = 1.0     # how often replicas report running + waiting 
 _STATS_TIMEOUT_S = 5.0
 _THREAD_KEY_BYTES = 64 * 1024
 _INGRESS_MAX_ONGOING = 10_000     # the ingress only relays; the engines' own limits answer overload
+# A replica's answer to a scrape: past this (a replica at its max ongoing requests waits for room),
+# its last push stands in, at most metrics_push_interval_s old.
+_SCRAPE_TIMEOUT_S = 2.0
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -58,8 +64,9 @@ class MetricsHub:
     async def push(self, replica_id: str, text: str) -> None:
         self.store.push(replica_id, text)
 
-    async def render(self) -> bytes:
-        return merge_metrics(self.store.texts())
+    async def texts(self) -> dict[str, str]:
+        """Each live replica's last pushed text: which replicas to ask, and what stands in for a late one."""
+        return self.store.texts()
 
 
 class ConveyorEngine:
@@ -80,6 +87,10 @@ class ConveyorEngine:
     async def serve_http(self, request: ForwardedRequest, routing_key: object = None) -> AsyncIterator[list[Message]]:
         async for messages in call_app(self.app, request, self.replica_id):
             yield messages
+
+    async def metrics_text(self, routing_key: object = None) -> tuple[str, str]:
+        """(this replica's id, its /metrics text now); routing_key names the replica the scrape asks."""
+        return self.replica_id, self.app.state.metrics.render().decode()
 
     async def record_routing_stats(self) -> dict[str, int]:
         return {"num_running": self.engine.load.num_running, "num_waiting": self.engine.num_waiting}
@@ -113,6 +124,7 @@ class ConveyorIngress:
         tokenizer = load_tokenizer(resolve_model_path(config.model.model), config.model.chat_template)
         self.prefix = PromptPrefix(tokenizer, config.cache.block_size)
         self.engine = engine.options(stream=True)
+        self.engine_calls = engine
         self.hub = hub
         self.server = server
         self.expected_auth = f"Bearer {server.api_key}".encode()   # used only with protect_metrics, which needs a key
@@ -123,7 +135,7 @@ class ConveyorIngress:
             given = request.headers.get("authorization", "").encode()
             if self.server.protect_metrics and not hmac.compare_digest(given, self.expected_auth):
                 return error_response(Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'"))
-            return Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
+            return Response(await self._scrape(), media_type=CONTENT_TYPE_LATEST)
         try:
             body = await self._read_body(request)
         except (RequestTooLarge, RequestTimeout) as exc:
@@ -144,6 +156,30 @@ class ConveyorIngress:
         except StopAsyncIteration:
             return error_response(ReplicaLost("the replica ended the request without a response"))
         return RelayResponse(first, stream)
+
+    async def _scrape(self) -> bytes:
+        """Every replica's metrics as of now, merged. A replica that does not answer in time is
+        represented by its last push; one the router no longer has (another answered) is left out."""
+        pushed: dict[str, str] = await self.hub.texts.remote()
+
+        async def ask(replica_id: str) -> tuple[str, str] | None:
+            call = self.engine_calls.metrics_text.remote(**{ROUTING_KEY_ARG: RoutingKey(replica_id=replica_id)})
+            try:
+                return await asyncio.wait_for(call, _SCRAPE_TIMEOUT_S)
+            except (TimeoutError, RayActorError, ActorUnavailableError, RayTaskError, BackPressureError) as exc:
+                call.cancel()
+                logger.info("replica %s did not answer the scrape (%s); its last push stands in", replica_id,
+                            type(exc).__name__)
+                return None
+
+        asked = list(pushed)
+        answers = await asyncio.gather(*(ask(replica_id) for replica_id in asked))
+        texts = dict(pushed)
+        for replica_id, answer in zip(asked, answers):
+            if answer is not None and answer[0] != replica_id:
+                texts.pop(replica_id, None)   # gone: the router sent the call elsewhere
+        texts.update(answer for answer in answers if answer is not None)
+        return merge_metrics(dict(sorted(texts.items())))
 
     async def _read_body(self, request: Request) -> bytes:
         """The whole body, up to the same size limit and deadline a single server applies."""

@@ -1,8 +1,9 @@
 """Every replica's /metrics text -> one Prometheus exposition, each sample labelled with its replica.
 
-Replicas push their rendered metrics to the `MetricsHub` deployment (deployments.py) every few
-seconds, and the ingress's /metrics serves the merge, so one scrape target covers the whole
-deployment. Merging the text keeps `server/metrics.py` the one owner of what is measured, under
+The ingress's /metrics asks every replica for its metrics as of the scrape and serves the merge,
+so one scrape target covers the whole deployment. Replicas also push their metrics to the
+`MetricsHub` deployment (deployments.py) every few seconds: the hub knows which replicas exist, and
+its copy stands in for a replica that does not answer the scrape in time. Merging the text keeps `server/metrics.py` the one owner of what is measured, under
 the same names (`vllm:*` with `model_name`, `conveyor:*`) as a single server: dashboards sum over
 the new `replica` label.
 """

@@ -7,6 +7,7 @@ sends a request to the replica that last served the same first blocks of prompt 
 unless that replica is much busier than the idlest one, and otherwise to the least loaded replica:
 load is the engine's running + waiting requests as each replica reports them
 (`record_routing_stats`), or the requests Serve has in flight to it when that count is fresher.
+A key that names a replica (a /metrics scrape's call) goes to that replica.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        key = _key_of(pending_request)
+        if key.replica_id is not None:
+            # A call for one replica; if it is gone, any replica answers (the answer names who did).
+            target = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == key.replica_id]
+            return [target or candidate_replicas]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         loads = {replica_id: self._load(replica) for replica_id, replica in by_id.items()}
-        key = _key_of(pending_request)
         preferred = self.table.lookup(key) if key.block_hashes else None
         ranks = rank_replicas(loads, preferred, key.sticky, self.imbalance)
         return [[by_id[replica_id] for replica_id in rank] for rank in ranks]

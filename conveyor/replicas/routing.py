@@ -23,11 +23,13 @@ class RoutingKey:
     """What the router knows of a request: its prefix hashes, shortest first.
 
     `sticky` requests (the Batches and Files API, whose state lives in one replica) always go to
-    the replica that served their key, however loaded it is.
+    the replica that served their key, however loaded it is. `replica_id` (a replica's full id)
+    sends a call to that one replica: a /metrics scrape asks each replica for its current values.
     """
 
     block_hashes: tuple[bytes, ...] = ()
     sticky: bool = False
+    replica_id: str | None = None
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int = ROUTING_BLOCKS) -> RoutingKey:

@@ -10,8 +10,9 @@ A chat template that takes `tools` gets them as it expects; for one that does no
 into a system block (DEFAULT_TOOLS_PROMPT, appended to the first system message or put before the
 conversation), earlier tool calls are written back into their assistant turns in the same form,
 and tool results into `<tool_response>` blocks. `required` and a named function are enforced with
-an xgrammar structural tag whose arguments follow each function's JSON schema; `auto` is parsed
-from the output (tool_calls.py).
+an xgrammar structural tag whose arguments follow each function's JSON schema, and the output is
+nothing but the calls: the grammar then admits only the end of the turn, so the reply ends at the
+call as OpenAI's does. `auto` is parsed from the output (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.structured_output import json_schema_refusal
+from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -84,6 +87,39 @@ def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | No
     return chat, None
 
 
+def check_tool_schemas(tools: list[ToolDefinition] | None) -> None:
+    """Refuse a tool whose parameters are not a JSON schema, or one the grammar compiler cannot enforce.
+
+    Checked whatever tool_choice, so a tool that `required` would refuse is not accepted under `auto`.
+    """
+    for i, tool in enumerate(tools or []):
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        problem = _metaschema_problem(schema)
+        if problem is None and (refusal := json_schema_refusal(schema)) is not None:
+            problem = f"it cannot be enforced: {refusal}"
+        if problem is not None:
+            raise InvalidRequest(f"tool {tool.function.name!r}: its parameters are not a usable JSON schema: {problem}",
+                                 param=f"tools[{i}].function.parameters")
+
+
+def _metaschema_problem(schema: dict[str, Any]) -> str | None:
+    """What the JSON Schema metaschema (of the draft the schema names, 2020-12 by default) finds wrong."""
+    try:
+        import jsonschema
+    except ImportError:   # the server extra installs it; without it only the grammar compiler checks
+        return None
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
+        return f"{exc.message} (at parameters{where})"
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
+
+
 def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
                            parallel_tool_calls: bool) -> StructuredOutputsParams | None:
     """The grammar that `required` or a named function puts on the output; None for auto and none."""
@@ -98,7 +134,8 @@ def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str 
                 "end": "}\n</tool_call>"}
 
     if isinstance(tool_choice, str):   # required: one call or more (one with parallel_tool_calls false)
-        fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": ["<tool_call>"],
+        # Calls only, one per line: triggered_tags would let free text follow the call.
+        fmt: dict[str, Any] = {"type": "tags_with_separator", "separator": "\n",
                                "tags": [tag(tool) for tool in tools], "at_least_one": True,
                                "stop_after_first": not parallel_tool_calls}
     else:

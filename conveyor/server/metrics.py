@@ -92,6 +92,7 @@ class ServerMetrics:
         self.clock = clock
         self.stats_log_interval_s = stats_log_interval_s
         self._window = _StatsWindow(clock())
+        self._idle_since: float | None = clock()   # when the core last reported nothing running or waiting
         self.stats = EngineStats()
         self.registry = CollectorRegistry()
         self._last_token_s: dict[str, float] = {}   # request_id -> when its last token came out
@@ -198,6 +199,11 @@ class ServerMetrics:
             self._observe_step(outputs.step)
         now = self.clock()
         window = self._window
+        if self._idle_since is not None:
+            # An idle gap is no part of an average: this message's own step ran just before it came.
+            step_s = outputs.step.step_time_s if outputs.step is not None else 0.0
+            window.idle_s += max(0.0, now - self._idle_since - step_s)
+            self._idle_since = None
         if outputs.step is not None:
             window.prompt_tokens += outputs.step.num_prefill_tokens
         for delta in outputs.deltas:
@@ -214,8 +220,10 @@ class ServerMetrics:
                 self._last_token_s.pop(request_id, None)
                 self._observe_finished(delta)
         load = outputs.load
-        if self.stats_log_interval_s and now - window.started_s >= self.stats_log_interval_s:
+        if self.stats_log_interval_s and window.active_s(now) >= self.stats_log_interval_s:
             self._log_stats(now, load)
+        if not (load.num_running or load.num_waiting):
+            self._idle_since = now
         # Aborted requests never send a finished delta; drop their entries once they outnumber the live ones.
         if len(self._last_token_s) > load.num_running + load.num_waiting + self.engine.num_in_flight:
             for request_id in [r for r in self._last_token_s if r not in self.engine.processor]:
@@ -223,7 +231,8 @@ class ServerMetrics:
 
     def _log_stats(self, now: float, load: CoreLoad) -> None:
         """vLLM's periodic line, when anything happened since the last one or anything is in flight."""
-        window, seconds = self._window, now - self._window.started_s
+        window = self._window
+        seconds = window.active_s(now)
         self._window = _StatsWindow(now)
         if not (window.prompt_tokens or window.generation_tokens or load.num_running or load.num_waiting):
             return
@@ -325,11 +334,15 @@ class ServerMetrics:
 
 @dataclass(slots=True)
 class _StatsWindow:
-    """Tokens since the last periodic stats line."""
+    """Tokens since the last periodic stats line, and the time the engine had work in that span."""
 
     started_s: float
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    idle_s: float = 0.0          # nothing running or waiting: left out of the averages
+
+    def active_s(self, now: float) -> float:
+        return max(now - self.started_s - self.idle_s, 1e-9)
 
 
 def _one_two_five(limit: int) -> tuple[int, ...]:

@@ -408,6 +408,11 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.tool_choice.function.name
         return self.tool_choice or ("auto" if self.tools else "none")
 
+    @property
+    def forces_tool_calls(self) -> bool:
+        """required or a named function: the grammar admits only calls, so the reply has no content."""
+        return bool(self.tools) and self.effective_tool_choice not in ("none", "auto")
+
     def sampling_params(self) -> SamplingParams:
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")

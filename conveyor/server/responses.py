@@ -75,9 +75,18 @@ class ToolCallOut(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """content is null when the reply is only tool calls; tool_calls is left out when there are none, as OpenAI does."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

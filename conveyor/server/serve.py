@@ -15,8 +15,9 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from pathlib import Path
 import socket
+import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -38,6 +39,23 @@ _CONNECTION_CLOSE_S = 5.0   # after the engine stopped, every response is comple
 _DEAD_CORE_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes, for load balancers to see
 
 
+class _HealthyProbesFilter(logging.Filter):
+    """Drops uvicorn's access line of a 200 from /health: load balancers probe it every few seconds.
+
+    A failing probe (503 while shutting down or after the core died) is still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:   # (client, method, path, http version, status)
+            path, status = str(args[2]).split("?", 1)[0], args[4]
+            return not (path == "/health" and status == 200)
+        return True
+
+
+_HEALTHY_PROBES = _HealthyProbesFilter()
+
+
 class ConveyorServer(uvicorn.Server):
     """uvicorn, with the engine's grace period first in its shutdown, and an exit code.
 
@@ -47,13 +65,23 @@ class ConveyorServer(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_grace_s: float,
-                 live_view: LiveView | None = None) -> None:
+                 live_view: LiveView | None = None, model_name: str = "", startup_began_s: float | None = None) -> None:
         super().__init__(config)
+        self.model_name = model_name
         self.async_engine = async_engine
         self.live_view = live_view
         self.shutdown_grace_s = shutdown_grace_s
+        self.startup_began_s = startup_began_s   # perf_counter when loading began, for the ready line
         self.exit_code = 0
         async_engine.death_observers.append(self._core_died)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            began = self.startup_began_s
+            logger.info("start-up: ready, serving %s on http://%s:%d%s", self.model_name,
+                        self.config.host, self.port,
+                        "" if began is None else f", {time.perf_counter() - began:.2f} s after start-up began")
 
     def _core_died(self, reason: str) -> None:
         self.exit_code = 1
@@ -90,7 +118,7 @@ def build_app_over(client: CoreClient, tokenizer: Tokenizer, model_name: str,
 
 
 def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = None, model_name: str | None = None,
-                 server: ServerConfig = ServerConfig()) -> ConveyorServer:
+                 server: ServerConfig = ServerConfig(), startup_began_s: float | None = None) -> ConveyorServer:
     """A server over a core client; given an LLMEngine, its core runs on a thread of this process."""
     if isinstance(client, LLMEngine):
         engine = client
@@ -98,11 +126,15 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
     assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
     async_engine, app = build_app_over(client, tokenizer, model_name, server)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
+    access = logging.getLogger("uvicorn.access")
+    if _HEALTHY_PROBES not in access.filters:
+        access.addFilter(_HEALTHY_PROBES)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(_CONNECTION_CLOSE_S),
                             http=header_timeout_protocol(server.header_timeout_s),
                             timeout_keep_alive=server.keep_alive_timeout_s)
-    return ConveyorServer(config, async_engine, server.shutdown_grace_s, app.state.live_view)
+    return ConveyorServer(config, async_engine, server.shutdown_grace_s, app.state.live_view, model_name,
+                          startup_began_s)
 
 
 def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> tuple[CoreClient, Tokenizer, str]:
@@ -131,9 +163,10 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> t
 
 def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
     """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown)."""
+    began = time.perf_counter()
     client, tokenizer, model_name = start_core(config, server)
     try:
-        return _run(build_server(client, tokenizer, model_name, server))
+        return _run(build_server(client, tokenizer, model_name, server, began))
     finally:
         client.kill()   # a no-op after a clean shutdown; never leave the core behind
 

@@ -45,7 +45,7 @@ from conveyor.server.responses import (
     TopLogprob,
     UsageInfo,
 )
-from conveyor.server.chat_tools import template_input
+from conveyor.server.chat_tools import check_tool_schemas, template_input
 from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 from conveyor.server.streaming import (
     DONE_EVENT,
@@ -103,6 +103,7 @@ class OpenAIServing:
         # Token strings for logprobs; an LRU since the same tokens come back all the time.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
+        self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(self.tokenizer.token_bytes)
 
     # ------------------------------------------------------------ shared
 
@@ -232,17 +233,29 @@ class OpenAIServing:
                                       usage=usage).model_dump_json())
         yield DONE_EVENT
 
+    def _completion_token(self, token_id: int) -> str:
+        """The token as completions' logprobs name it: its text, or, for a token that is not whole UTF-8
+        characters, "bytes:" and its bytes escaped, as OpenAI writes them (so such tokens stay apart)."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text:
+            raw = self.token_bytes(token_id)
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
     def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for entry in logprobs:
-            token = self.token_text(entry.token_id)
-            top = {self.token_text(token_id): logprob for token_id, logprob in entry.top}
+            token = self._completion_token(entry.token_id)
+            top = {self._completion_token(token_id): logprob for token_id, logprob in entry.top}
             top.setdefault(token, entry.logprob)
             result.tokens.append(token)
             result.token_logprobs.append(entry.logprob)
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
-            text_offset += len(token)
+            text_offset += len(self.token_text(entry.token_id))
         return result
 
     # ------------------------------------------------------------ /v1/chat/completions
@@ -250,6 +263,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
+        if body.tools:
+            await asyncio.to_thread(check_tool_schemas, body.tools)
         await self.compile_grammar(params, body.constraint_field)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
@@ -281,7 +296,10 @@ class OpenAIServing:
             parsed, calls = parse_tool_calls(content or "")
             if calls:   # a reply without calls keeps its text as generated
                 content = parsed
-        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=_tool_calls_out(calls)),
+            if body.forces_tool_calls:   # any text besides the calls is a call cut short by max_tokens
+                content = None
+        message = AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None)
+        return ChatChoice(index=index, message=message,
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
@@ -305,6 +323,8 @@ class OpenAIServing:
                     text, calls = parsers[index].feed(text)
                     if output.finished:
                         text += parsers[index].finish()
+                    if body.forces_tool_calls:   # as in _chat_choice: only a cut-short call is left as text
+                        text = ""
                 if not (text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
                 first = parsers[index].num_calls - len(calls) if parsers is not None else 0
@@ -325,8 +345,9 @@ class OpenAIServing:
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:
-            token = self.token_text(token_id)
-            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+            # bytes are the token's own, also where its text is U+FFFD (a part of a UTF-8 character)
+            return TopLogprob(token=self.token_text(token_id), logprob=logprob,
+                              bytes=list(self.token_bytes(token_id)))
 
         content = []
         for entry in logprobs:

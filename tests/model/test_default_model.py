@@ -89,3 +89,20 @@ def test_cli_errors_are_clear_without_traceback(tmp_path, make_model: str) -> No
     assert result.returncode != 0
     assert expect in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_readme_offline_example_prints_the_chat_answer(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's offline example, run as written (on this module's engine), prints what it says."""
+    import re
+    from pathlib import Path
+
+    import conveyor
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = re.search(r"Offline Python API.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.setattr(conveyor, "LLM", lambda **options: llm)
+    exec(compile(example, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    promised = re.search(r"print\(chat\[0\]\.text\)\s*# (.*)", example).group(1)
+    assert printed[-1] == promised == "The capital of France is Paris."

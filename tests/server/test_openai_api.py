@@ -198,6 +198,25 @@ def test_chat_logprobs(client: openai.OpenAI, tiny_server: RunningServer) -> Non
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_logprob_bytes_are_the_tokens_own_for_parts_of_a_character(client: openai.OpenAI,
+                                                                    tiny_server: RunningServer) -> None:
+    """Two single-byte tokens of "é" (0xC3 0xA9), pushed to the top with logit_bias: each entry's bytes are
+    its own byte, not U+FFFD's, in the sampled entries and in top_logprobs; completions name them "bytes:"."""
+    backend = tiny_server.engine.tokenizer.backend
+    lead, tail = backend.token_to_id("\u00c3"), backend.token_to_id("\u00a9")   # byte-level spellings of 0xC3, 0xA9
+    bias = {str(lead): 100, str(tail): 90}
+    result = client.chat.completions.create(model=tiny_server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=1, logprobs=True, top_logprobs=2, logit_bias=bias, **GREEDY)
+    entry = result.choices[0].logprobs.content[0]
+    assert entry.bytes == [0xC3]
+    assert [top.bytes for top in entry.top_logprobs] == [[0xC3], [0xA9]]
+    completion = client.completions.create(model=tiny_server.model_name, prompt="hi", max_tokens=1, logprobs=2,
+                                           logit_bias=bias, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == ["bytes:\\xc3"]
+    assert set(logprobs.top_logprobs[0]) == {"bytes:\\xc3", "bytes:\\xa9"}
+
+
 def test_stop_string(client: openai.OpenAI, tiny_server: RunningServer) -> None:
     base = client.completions.create(model=tiny_server.model_name, prompt="the quick", max_tokens=20, **GREEDY)
     text = base.choices[0].text
@@ -268,5 +287,25 @@ def test_periodic_stats_line(tiny_checkpoint, caplog: pytest.LogCaptureFixture) 
             client.completions.create(model=server.model_name, prompt="hello", max_tokens=100, **GREEDY)
         lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
         assert lines and "Running:" in lines[0] and "KV cache usage:" in lines[0]
+    finally:
+        server.stop()
+
+
+def test_first_stats_line_after_an_idle_start_averages_only_busy_time(tiny_checkpoint,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Idle time before a request is no part of the average: a server idle for 2 s, then generating at
+    ~50 tokens/s (steps slowed to 20 ms), must not report ~0 tokens/s in its first line."""
+    import time
+
+    server = start_server(tiny_checkpoint, max_num_seqs=2, server_options={"stats_log_interval_s": 0.5})
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        time.sleep(2.0)
+        with caplog.at_level(logging.INFO, logger="conveyor.server.metrics"), slow_steps(server.engine, 0.02):
+            client.completions.create(model=server.model_name, prompt="hello", max_tokens=100, **GREEDY)
+        lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+        assert lines
+        rate = float(lines[0].split("Avg generation throughput: ")[1].split(" ")[0])
+        assert rate > 2.0, lines[0]   # averaged over the idle 2 s as well, it would be under 1
     finally:
         server.stop()

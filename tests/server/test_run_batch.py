@@ -25,9 +25,9 @@ BAD = [
 ]
 
 
-def run(tiny_checkpoint: Path, input_path: Path, output_path: Path) -> int:
+def run(tiny_checkpoint: Path, input_path: Path, output_path: Path, *flags: str) -> int:
     return main(["run-batch", "-i", str(input_path), "-o", str(output_path), "--model", str(tiny_checkpoint),
-                 "--threads", "1", "--kv-cache-memory", "64MiB"])
+                 "--threads", "1", "--kv-cache-memory", "64MiB", *flags])
 
 
 def results(path: Path) -> dict[str, dict]:
@@ -67,3 +67,17 @@ def test_a_rerun_resumes_after_a_killed_run(tiny_checkpoint: Path, tmp_path: Pat
     assert set(out) == {"chat", "cmpl", "regex"} and out["chat"] == done
     assert run(tiny_checkpoint, input_path, output_path) == 0   # nothing left: nothing runs
     assert results(output_path) == out
+
+
+def test_served_model_name_lets_a_file_written_for_another_model_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """OpenAI batch files name their model in every body; --served-model-name answers to that name."""
+    input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{**line, "body": {**line["body"], "model": "gpt-4o-mini"}} for line in GOOD[:2]]
+    input_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert run(tiny_checkpoint, input_path, output_path) == 1
+    assert all(line["response"]["status_code"] == 404 for line in results(output_path).values())
+    output_path.unlink()
+    assert run(tiny_checkpoint, input_path, output_path, "--served-model-name", "gpt-4o-mini") == 0
+    out = results(output_path)
+    assert set(out) == {"chat", "cmpl"}
+    assert all(line["response"]["body"]["model"] == "gpt-4o-mini" for line in out.values())

@@ -108,7 +108,7 @@ def check_calls(calls, names: set[str]) -> None:
 
 
 def test_tool_choice_required_yields_valid_tool_calls(client: openai.OpenAI) -> None:
-    choice = chat(client, tools=TOOLS, tool_choice="required")
+    choice = chat(client, max_tokens=120, tools=TOOLS, tool_choice="required")
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, {"get_weather", "add"})
     single = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
@@ -122,9 +122,42 @@ def test_named_tool_choice_calls_that_function(client: openai.OpenAI) -> None:
     check_calls(choice.message.tool_calls, {"add"})
 
 
+@pytest.mark.parametrize(("tool_choice", "parallel", "max_tokens", "finish"), [
+    ("required", False, 64, "tool_calls"),
+    ("required", False, 200, "tool_calls"),
+    ("required", True, 200, "tool_calls"),
+    # The model goes on to a second call (44 tokens each) that max_tokens cuts short: it is left out.
+    ("required", True, 64, "length"),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 64, "tool_calls"),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 200, "tool_calls"),
+])
+def test_forced_tool_choice_ends_at_the_call(client: openai.OpenAI, tool_choice, parallel: bool, max_tokens: int,
+                                             finish: str) -> None:
+    """As OpenAI and vLLM answer: the calls and nothing else, content null, finish tool_calls."""
+    choice = chat(client, max_tokens=max_tokens, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel)
+    assert choice.finish_reason == finish
+    assert choice.message.content is None
+    check_calls(choice.message.tool_calls, {"get_weather", "add"})
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=max_tokens,
+                                            tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+                                            stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    assert chunks[-1].finish_reason == finish
+    assert sum(len(c.delta.tool_calls or []) for c in chunks) == len(choice.message.tool_calls)
+
+
+def test_a_reply_without_tool_calls_leaves_the_field_out(server: RunningServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                          json={"messages": ASK, "max_tokens": 4})
+    assert response.status_code == 200
+    message = response.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"]
+
+
 def test_streamed_tool_calls_arrive_as_openai_sends_them(client: openai.OpenAI) -> None:
-    whole = chat(client, tools=TOOLS, tool_choice="required")
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=80, tools=TOOLS,
+    whole = chat(client, max_tokens=120, tools=TOOLS, tool_choice="required")
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=120, tools=TOOLS,
                                             tool_choice="required", stream=True)
     calls: dict[int, dict] = {}
     finish = None
@@ -212,6 +245,35 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(server: RunningServ
                           json={"messages": ASK, "max_tokens": 4, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _tool_with(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "lookup"}}])
+@pytest.mark.parametrize(("parameters", "problem"), [
+    ({"type": "objekt"}, "at parameters.type"),                                        # the metaschema refuses it
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(open"}}}, "regex"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}, "cannot be enforced"),  # the grammar does
+])
+def test_every_tool_schema_is_checked_on_arrival(client: openai.OpenAI, tool_choice, parameters: dict,
+                                                 problem: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=4, tools=[WEATHER, _tool_with(parameters)], tool_choice=tool_choice)
+    error = caught.value.body
+    assert error["param"] == "tools[1].function.parameters"
+    assert "tool 'lookup'" in error["message"] and problem in error["message"]
+    assert not re.search(r"\.(cc|h|cpp)\b|/project/|\[\d\d:\d\d", error["message"]), error["message"]
+
+
+def test_grammar_errors_carry_no_library_internals(server: RunningServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}}}})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "defs" in message and not re.search(r"\.(cc|h|cpp)\b|/project/", message), message
 
 
 def test_harmless_defaults_and_nulls_are_accepted(server: RunningServer) -> None:

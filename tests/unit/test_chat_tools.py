@@ -65,7 +65,7 @@ def test_only_required_and_a_named_function_are_grammars() -> None:
     assert tool_choice_constraint([TOOL], "auto", True) is None
     assert tool_choice_constraint([TOOL], "none", True) is None
     required = json.loads(tool_choice_constraint([TOOL], "required", False).structural_tag)
-    assert required["format"]["type"] == "triggered_tags" and required["format"]["stop_after_first"] is True
+    assert required["format"]["type"] == "tags_with_separator" and required["format"]["stop_after_first"] is True
     assert required["format"]["tags"][0]["begin"] == '<tool_call>\n{"name": "add", "arguments": '
     named = json.loads(tool_choice_constraint([TOOL], NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "add"}}), True).structural_tag)

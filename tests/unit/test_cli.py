@@ -103,3 +103,22 @@ def test_sharing_and_batch_flags() -> None:
         engine_options(parse_args(["serve", "--tenant-weight", "alice"]))
     batch = parse_args(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "-np", "4"])
     assert batch.input_file == "in.jsonl" and batch.output_file == "out.jsonl" and batch.max_num_seqs == 4
+
+
+def test_readme_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
+    from pathlib import Path
+
+    from conveyor.cli import build_parser
+    from conveyor.config import CacheConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("The flags most users reach for first", 1)[1].split("\n\n", 2)[1]
+    flags = set(re.findall(r"`(--[a-z-]+|-[a-z]+)\b", table))
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    known = {option for action in serve._actions for option in action.option_strings}
+    assert {"--model", "--host", "--port", "--threads", "--api-key", "--max-num-seqs", "--kv-cache-memory",
+            "--batch-preset"} <= flags
+    assert flags <= known, flags - known
+    assert f"`{CacheConfig.kv_cache_memory}`" in table
+    # The first screen keeps its two commands.
+    assert readme.index("make run ") < readme.index("make test ") < readme.index("## Using it")

@@ -151,6 +151,23 @@ def test_round_trip_multibyte(tok: Tokenizer) -> None:
 # -- chat template -----------------------------------------------------------------------------
 
 
+def test_token_bytes_are_each_tokens_own_bytes(tok: Tokenizer) -> None:
+    text = MULTIBYTE + "<|im_end|>"
+    ids = tok.encode(text)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    partial = [p for p in pieces if p and p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore")]
+    assert partial and all(len(p) < 4 for p in partial)   # parts of characters, not U+FFFD's bytes
+    assert tok.token_bytes(tok.backend.token_to_id("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_token_bytes_of_a_byte_fallback_vocabulary() -> None:
+    backend = BackendTokenizer(models.BPE({"<0xC3>": 0, "<0xA9>": 1, "\u2581hi": 2, "caf": 3}, []))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(backend)
+    assert [tok.token_bytes(i) for i in range(4)] == [b"\xc3", b"\xa9", b" hi", b"caf"]
+
+
 def test_chatml_render(tok: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
