@@ -12,33 +12,11 @@ import torch
 from conveyor import kernels
 from conveyor.kernels import quant
 
+from gguf_blocks import TYPES, random_blocks
+
 NATIVE = kernels.cpu_features()
 VARIANTS = {"native": NATIVE, "portable": frozenset()}
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
-TYPES = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-         "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
-         "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "q4_1": gguf.GGMLQuantizationType.Q4_1}
-
-
-def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """GGUF blocks of an (n, k) tensor: random codes with valid, varied scales, as a file holds them."""
-    rng = np.random.default_rng(seed)
-    if fmt in ("q5_0", "q8_0", "q4_0", "q4_1"):
-        w = rng.standard_normal((n, k)).astype(np.float32)
-        w[:, :32] *= 10                                              # an outlier block
-        return gguf.quants.quantize(w, TYPES[fmt])
-    block = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[fmt]
-    raw = rng.integers(0, 256, size=(n, k // 256, block), dtype=np.uint8)
-    scale = lambda size: (rng.uniform(1e-3, 2e-2, size=size).astype(np.float16)).view(np.uint8)  # noqa: E731
-    if fmt == "q6_k":
-        raw[:, :, 208:210] = scale((n, k // 256)).reshape(n, k // 256, 2)
-    else:
-        raw[:, :, 0:2] = scale((n, k // 256)).reshape(n, k // 256, 2)       # d
-        raw[:, :, 2:4] = scale((n, k // 256)).reshape(n, k // 256, 2)       # dmin
-    return raw.reshape(n, -1)
-
-
 def _library(variant: str) -> kernels.KernelLibrary:
     library = kernels.library_for(frozenset(VARIANTS[variant]))
     assert library is not None

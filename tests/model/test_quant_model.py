@@ -20,6 +20,8 @@ from conveyor.model.quant import QuantEmbedding, QuantLinear
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import kernel_tile_size
 
+from gguf_blocks import random_blocks
+
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 
@@ -28,46 +30,68 @@ BLOCK_SIZE = 16
 # Every supported type in use, fused groups included: q/k/v Q8_0, gate/up Q4_1, the rest Q4_0.
 TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0"}
+# The K-quants and Q5_0, mixed inside the fused q/k/v and gate/up as Q4_K_M files mix them, and one type
+# without a kernel (Q5_1, requantized to Q8_0); K = 256 and 512, multiples of the K-quants' 256.
+K_HIDDEN, K_FFN = 256, 512
+K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
+           "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q5_K"}
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("quant") / "tiny.gguf"
+def write_tiny_gguf(path: Path, hidden: int, ffn: int, types: dict[str, str], embed_type: str,
+                    output_type: str | None = None, overrides: dict[str, str] | None = None) -> Path:
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
 
     def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.2) -> None:
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        if kind.endswith("_K"):
+            raw = random_blocks(kind.lower(), shape[0], shape[1], seed=int(rng.integers(1 << 30)), scale=scale)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+            return
         w = (rng.standard_normal(shape) * scale).astype(np.float32)
         if kind == "F32":
             writer.add_tensor(name, w + (1.0 if name.endswith("norm.weight") else 0.0))
         else:
-            qtype = getattr(gguf.GGMLQuantizationType, kind)
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
-    add("token_embd.weight", (VOCAB, HIDDEN), "Q8_0", scale=1.0)
-    add("output_norm.weight", (HIDDEN,))
-    head_dim = HIDDEN // HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    add("token_embd.weight", (VOCAB, hidden), embed_type, scale=1.0)
+    if output_type is not None:
+        add("output.weight", (VOCAB, hidden), output_type)
+    add("output_norm.weight", (hidden,))
+    head_dim = hidden // HEADS
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (KV_HEADS * head_dim, hidden),
+              "attn_v": (KV_HEADS * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
     for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (HIDDEN,))
-        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,))
+        add(f"blk.{i}.attn_norm.weight", (hidden,))
+        add(f"blk.{i}.ffn_norm.weight", (hidden,))
         for kind, shape in shapes.items():
-            add(f"blk.{i}.{kind}.weight", shape, TYPES[kind])
+            name = f"blk.{i}.{kind}.weight"
+            add(name, shape, (overrides or {}).get(name, types[kind]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("quant") / "tiny.gguf", HIDDEN, FFN, TYPES, "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def tiny_kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("kquant") / "tiny-k.gguf", K_HIDDEN, K_FFN, K_TYPES, "Q6_K",
+                           output_type="Q8_0", overrides={"blk.1.ffn_up.weight": "Q5_1"})
 
 
 def _load(path: Path, quantization: str) -> LlamaModel:
@@ -153,15 +177,32 @@ def _agreement(floats: LlamaModel, other: LlamaModel) -> tuple[float, float]:
     return agree, ((ref - ours).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
 
 
-def test_kept_quantized_tracks_the_float_model(tiny_gguf: Path) -> None:
+@pytest.mark.parametrize("source", ["gguf", "kquant"])
+def test_kept_quantized_tracks_the_float_model(tiny_gguf: Path, tiny_kquant_gguf: Path, source: str) -> None:
     # The weights are the same values; only the activations' int8 rounding separates the two.
-    agree, rms = _agreement(_load(tiny_gguf, "none"), _load(tiny_gguf, "gguf"))
+    path = tiny_gguf if source == "gguf" else tiny_kquant_gguf
+    agree, rms = _agreement(_load(path, "none"), _load(path, "auto"))
     assert agree >= 0.9 and rms <= 0.05, (agree, rms)
 
 
-@pytest.mark.parametrize("source,quantization", [("gguf", "gguf"), ("hf", "int8"), ("gguf", "int8")])
-def test_batched_equals_alone(tiny_gguf: Path, tiny_llama: Path, source: str, quantization: str) -> None:
-    model = _load(tiny_gguf if source == "gguf" else tiny_llama, quantization)
+def test_kquant_file_keeps_each_format_as_a_segment(tiny_kquant_gguf: Path) -> None:
+    floats, kept = _load(tiny_kquant_gguf, "none"), _load(tiny_kquant_gguf, "auto")
+    for i, layer in enumerate(kept.layers):
+        formats = {name: [w.fmt for w in layer.get_submodule(name).weights]
+                   for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+        assert formats == {"self_attn.qkv_proj": ["q4_k", "q5_k", "q6_k"], "self_attn.o_proj": ["q5_0"],
+                           "mlp.gate_up_proj": ["q4_k", "q6_k" if i == 0 else "q8_0"], "mlp.down_proj": ["q5_k"]}
+        assert layer.fused is not None   # the whole layer still runs as one C call
+    assert [w.fmt for w in kept.lm_head.weights] == ["q8_0"]
+    ids = torch.tensor([3, 0, 319, 3])
+    assert isinstance(kept.embed_tokens, QuantEmbedding) and torch.equal(kept.embed_tokens(ids), floats.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("source,quantization", [("gguf", "gguf"), ("kquant", "auto"), ("hf", "int8"),
+                                                 ("gguf", "int8")])
+def test_batched_equals_alone(tiny_gguf: Path, tiny_kquant_gguf: Path, tiny_llama: Path, source: str,
+                              quantization: str) -> None:
+    model = _load({"gguf": tiny_gguf, "kquant": tiny_kquant_gguf, "hf": tiny_llama}[source], quantization)
     assert any(isinstance(m, QuantLinear) for m in model.modules())
     batched_tokens, batched_logits = _greedy(model, PROMPTS, steps=6)
     for i, prompt in enumerate(PROMPTS):
