@@ -262,61 +262,82 @@ typedef struct {
     int32_t scab[NR];          /* Q6_K: (scale of half 0, scale of half 1) */
 } block_t;
 
+#if defined(KQ_AVX2)
+/* The unsigned codes of group g (4 k) of a block for the four octets of 8 channels. */
+static inline __attribute__((always_inline)) void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high,
+                                                              int g, __m256i c[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(nib + g * 64));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(nib + g * 64 + 32));
+    c[0] = _mm256_and_si256(v0, low4);
+    c[1] = _mm256_and_si256(v1, low4);
+    c[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+    c[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+    if (fmt == FMT_Q6_K) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(high + g * 32)), m = _mm256_set1_epi8(0x30);
+        c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
+        c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
+        c[2] = _mm256_or_si256(c[2], _mm256_and_si256(u, m));
+        c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
+    } else if (fmt != FMT_Q4_K) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(high + (g / 2) * 32)), m = _mm256_set1_epi8(0x10);
+        if (g & 1) {   /* bits 4..7 -> bit 4 */
+            c[0] = _mm256_or_si256(c[0], _mm256_and_si256(u, m));
+            c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_srli_epi16(u, 1), m));
+            c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
+            c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 3), m));
+        } else {       /* bits 0..3 -> bit 4 */
+            c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
+            c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 3), m));
+            c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
+            c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(u, 1), m));
+        }
+    }
+}
+
+/* Octet o's per-channel float scale (and min, K4/K5) of block kb of a unit; Q6_K: its int16 scale pairs. */
+static inline __attribute__((always_inline)) void octet_scales(const int fmt, const uint8_t *unit, int64_t kb, int o,
+                                                               __m256 *dmul, __m256 *mmul, __m256i *sc0,
+                                                               __m256i *sc1, __m256i *scab) {
+    const __m256i low16 = _mm256_set1_epi32(0xffff);
+    *dmul = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + o * 16)));
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *sc = unit + 64 + 2 * kb * 32 + o * 8;
+        const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 32)));
+        *sc0 = _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(a, 16));
+        *sc1 = _mm256_or_si256(_mm256_and_si256(b, low16), _mm256_slli_epi32(b, 16));
+        *scab = _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(b, 16));
+    } else if (fmt != FMT_Q5_0) {
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 64 + o * 16)));
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 128 + kb * 32 + o * 8)));
+        const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 384 + kb * 32 + o * 8)));
+        *dmul = _mm256_mul_ps(*dmul, _mm256_cvtepi32_ps(sc));
+        *mmul = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(m));
+    }
+}
+#endif
+
 /* Unit header + block kb within it -> block_t. */
 static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk) {
     const uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
-    const uint16_t *d = (const uint16_t *)unit;
 #if defined(KQ_AVX2)
     /* The panel streams from memory: ask for the bytes a few blocks ahead (a panel is contiguous). */
     for (int64_t i = 0; i < body_bytes(fmt); i += 64) _mm_prefetch((const char *)nib + PREFETCH_BYTES + i, _MM_HINT_T0);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int g = 0; g < 8; g++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(nib + g * 64));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(nib + g * 64 + 32));
-        __m256i c[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4),
-                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
-        if (fmt == FMT_Q6_K) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(high + g * 32)), m = _mm256_set1_epi8(0x30);
-            c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
-            c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
-            c[2] = _mm256_or_si256(c[2], _mm256_and_si256(u, m));
-            c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
-        } else if (fmt != FMT_Q4_K) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(high + (g / 2) * 32)), m = _mm256_set1_epi8(0x10);
-            if (g & 1) {   /* bits 4..7 -> bit 4 */
-                c[0] = _mm256_or_si256(c[0], _mm256_and_si256(u, m));
-                c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_srli_epi16(u, 1), m));
-                c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_srli_epi16(u, 2), m));
-                c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(u, 3), m));
-            } else {       /* bits 0..3 -> bit 4 */
-                c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(u, 4), m));
-                c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(u, 3), m));
-                c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(u, 2), m));
-                c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(u, 1), m));
-            }
-        }
+        __m256i c[4];
+        group_codes(fmt, nib, high, g, c);
         for (int o = 0; o < 4; o++) _mm256_storeu_si256((__m256i *)blk->codes[g][o], c[o]);
     }
-    const __m256i low16 = _mm256_set1_epi32(0xffff);
     for (int o = 0; o < 4; o++) {
-        const __m256 dc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + o * 8)));
-        if (fmt == FMT_Q5_0) _mm256_storeu_ps(blk->dmul + o * 8, dc);
-        else if (fmt == FMT_Q6_K) {
-            const uint8_t *sc = unit + 64 + 2 * kb * 32 + o * 8;
-            const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-            const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 32)));
-            _mm256_storeu_ps(blk->dmul + o * 8, dc);
-            _mm256_storeu_si256((__m256i *)(blk->sc16[0] + o * 8), _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(a, 16)));
-            _mm256_storeu_si256((__m256i *)(blk->sc16[1] + o * 8), _mm256_or_si256(_mm256_and_si256(b, low16), _mm256_slli_epi32(b, 16)));
-            _mm256_storeu_si256((__m256i *)(blk->scab + o * 8), _mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(b, 16)));
-        } else {
-            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 32 + o * 8)));
-            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 128 + kb * 32 + o * 8)));
-            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 384 + kb * 32 + o * 8)));
-            _mm256_storeu_ps(blk->dmul + o * 8, _mm256_mul_ps(dc, _mm256_cvtepi32_ps(sc)));
-            _mm256_storeu_ps(blk->mmul + o * 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(m)));
-        }
+        __m256 dmul, mmul = _mm256_setzero_ps();
+        __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0, scab = sc0;
+        octet_scales(fmt, unit, kb, o, &dmul, &mmul, &sc0, &sc1, &scab);
+        _mm256_storeu_ps(blk->dmul + o * 8, dmul);
+        _mm256_storeu_ps(blk->mmul + o * 8, mmul);
+        _mm256_storeu_si256((__m256i *)(blk->sc16[0] + o * 8), sc0);
+        _mm256_storeu_si256((__m256i *)(blk->sc16[1] + o * 8), sc1);
+        _mm256_storeu_si256((__m256i *)(blk->scab + o * 8), scab);
     }
 #else
     for (int g = 0; g < 8; g++)
@@ -328,6 +349,7 @@ static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk)
                 else if (fmt != FMT_Q4_K) q |= ((high[(g / 2) * 32 + p] >> (o + 4 * (g & 1))) & 1) << 4;
                 blk->codes[g][o][p] = (uint8_t)q;
             }
+    const uint16_t *d = (const uint16_t *)unit;
     for (int c = 0; c < NR; c++) {
         const float dc = f16_to_f32(d[c]);
         if (fmt == FMT_Q5_0) blk->dmul[c] = dc;
@@ -437,6 +459,66 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
         r += mr;                                                                                                 \
     }
 
+#if defined(KQ_AVX2)
+/* One row over a whole panel: each block's codes go from memory to the multiply in registers (a
+ * decode step's matmuls have one row per request; with one request, nothing would reuse a copy). */
+static inline __attribute__((always_inline)) void panel_one_row(const int fmt, const uint8_t *wp, int64_t K,
+                                                                const acts *x, float *acc) {
+    const int64_t blocks = unit_k(fmt) / QK, units = K / unit_k(fmt);
+    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *unit = wp + u * unit_bytes(fmt);
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
+            for (int64_t i = 0; i < body_bytes(fmt); i += 64)
+                _mm_prefetch((const char *)nib + PREFETCH_BYTES + i, _MM_HINT_T0);
+            const int64_t kbg = u * blocks + kb;
+            const int8_t *q = x->qx + kbg * QK;
+            __m256 dmul[4], mmul[4];
+            __m256i sc0[4], sc1[4], scab[4];
+            for (int o = 0; o < 4; o++) {
+                mmul[o] = _mm256_setzero_ps();
+                sc0[o] = sc1[o] = scab[o] = _mm256_setzero_si256();
+                octet_scales(fmt, unit, kb, o, &dmul[o], &mmul[o], &sc0[o], &sc1[o], &scab[o]);
+            }
+            __m256i dot[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                              _mm256_setzero_si256()};
+            for (int g0 = 0; g0 < 8; g0 += SPAN) {
+                __m256i part[4];
+                for (int g = g0; g < g0 + SPAN; g++) {
+                    __m256i c[4];
+                    group_codes(fmt, nib, high, g, c);
+                    int32_t four;
+                    memcpy(&four, q + g * 4, 4);
+                    const __m256i xb = _mm256_set1_epi32(four);
+                    for (int o = 0; o < 4; o++) {
+                        const __m256i p = _mm256_maddubs_epi16(c[o], xb);
+                        part[o] = g == g0 ? p : _mm256_add_epi16(part[o], p);
+                    }
+                }
+                for (int o = 0; o < 4; o++) {
+                    const __m256i s = fmt == FMT_Q6_K ? (g0 < 4 ? sc0[o] : sc1[o]) : ones;
+                    dot[o] = _mm256_add_epi32(dot[o], _mm256_madd_epi16(part[o], s));
+                }
+            }
+            const __m256 sdx = _mm256_set1_ps(x->dx[kbg]);
+            for (int o = 0; o < 4; o++) {
+                __m256i dt = dot[o];
+                if (fmt == FMT_Q5_0) dt = _mm256_sub_epi32(dt, _mm256_set1_epi32(16 * x->sx[kbg]));
+                if (fmt == FMT_Q6_K)
+                    dt = _mm256_sub_epi32(dt, _mm256_slli_epi32(_mm256_madd_epi16(scab[o], _mm256_set1_epi32(x->s16[kbg])), 5));
+                a[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), _mm256_mul_ps(dmul[o], sdx), a[o]);
+                if (fmt == FMT_Q4_K || fmt == FMT_Q5_K)
+                    a[o] = _mm256_fnmadd_ps(mmul[o], _mm256_set1_ps(x->sxd[kbg]), a[o]);
+            }
+        }
+    }
+    for (int o = 0; o < 4; o++) _mm256_storeu_ps(acc + o * 8, a[o]);
+}
+#endif
+
 /* Rows m0..m1 (at most MC) of one panel of a K-quant / Q5_0 weight -> y columns [0, nc). */
 static void kq_panel_rows(int fmt, const uint8_t *wp, int64_t K, const acts *x, const float *bias, float *y,
                           int64_t ldy, int64_t nc, int64_t m0, int64_t m1) {
@@ -446,6 +528,18 @@ static void kq_panel_rows(int fmt, const uint8_t *wp, int64_t K, const acts *x, 
     const int8_t *qx = x->qx;
     const float *dx = x->dx, *sxd = x->sxd;
     const int32_t *sx = x->sx, *s16 = x->s16;
+#if defined(KQ_AVX2)
+    if (m1 - m0 == 1) {
+        switch (fmt) {
+            case FMT_Q5_0: panel_one_row(FMT_Q5_0, wp, K, x, acc[0]); break;
+            case FMT_Q4_K: panel_one_row(FMT_Q4_K, wp, K, x, acc[0]); break;
+            case FMT_Q5_K: panel_one_row(FMT_Q5_K, wp, K, x, acc[0]); break;
+            default: panel_one_row(FMT_Q6_K, wp, K, x, acc[0]); break;
+        }
+        for (int64_t c = 0; c < nc; c++) y[m0 * ldy + c] = acc[0][c] + (bias ? bias[c] : 0.f);
+        return;
+    }
+#endif
     block_t blk;
     for (int64_t u = 0; u < units; u++) {
         const uint8_t *unit = wp + u * unit_bytes(fmt);
