@@ -13,10 +13,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown, StepOutputs
+
+if TYPE_CHECKING:   # a front whose core runs in its own process never imports torch
+    from conveyor.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,21 @@ from conveyor.kernels import layer as layer_kernels
 from conveyor.kernels.gemm import gemm, pack
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its random initialisation: every weight comes from the checkpoint, and
+    initialising on the meta device imports torch's compiler stack (over a second of start-up)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random initialisation (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -88,8 +103,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""

@@ -13,7 +13,8 @@ from conveyor.kernels import decoder as decoder_kernel
 from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.kernels.gemm import can_pack
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear_residual
+from conveyor.model.layers import (Embedding, GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                   linear_residual)
 from conveyor.model.quant import QuantLinear
 
 
@@ -59,8 +60,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.scale = self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
@@ -115,11 +116,11 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head: nn.Module | None = (None if arch.tie_word_embeddings
-                                          else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                                          else Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.kernels: KernelLibrary | None = None   # set by use_kernels when every layer runs in C
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
