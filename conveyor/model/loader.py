@@ -217,9 +217,9 @@ def _gguf_reader(path: Path):  # -> gguf.GGUFReader
 
 
 def gguf_reader(path: Path):  # -> gguf.GGUFReader
-    """A GGUF file's parsed metadata and mapped tensors, shared by the weights' and the tokenizer's
-    loaders: parsing the metadata (the vocabulary's arrays) takes seconds. Keyed by the file's
-    identity, so a rewritten file is parsed again."""
+    """A GGUF file's parsed metadata and mapped tensors, kept for the weights' loaders: parsing the
+    metadata (the vocabulary's arrays) takes seconds. Keyed by the file's identity, so a rewritten
+    file is parsed again. The tokenizer reads its keys with gguf_metadata.py instead."""
     stat = path.stat()
     return _parsed_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
