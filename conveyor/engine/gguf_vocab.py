@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -94,7 +95,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []  # type: ignore[assignment]
     if not tokens or not merges_raw:
         raise ValueError(f"{source}: GGUF has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # type: ignore[assignment]
+    token_types = meta.get("tokenizer.ggml.token_type")
+    types = np.asarray(token_types if token_types is not None else [], dtype=np.int64)
 
     vocab = _vocab(tokens, source)
     merges = _merges(merges_raw)
@@ -113,13 +115,13 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     # but kept in decoded text, as in llama.cpp and transformers.
     special = [
         AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _TOKEN_TYPE_CONTROL and tokens[i]
+        for i in np.flatnonzero(types == _TOKEN_TYPE_CONTROL).tolist()
+        if tokens[i]
     ]
     added = [
         AddedToken(tokens[i], special=False, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _TOKEN_TYPE_USER_DEFINED and tokens[i]
+        for i in np.flatnonzero(types == _TOKEN_TYPE_USER_DEFINED).tolist()
+        if tokens[i]
     ]
     backend.add_special_tokens(special)
     backend.add_tokens(added)

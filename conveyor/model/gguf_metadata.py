@@ -29,7 +29,8 @@ _SCALAR_CODES: dict[int, str] = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
 }
 
-GGUFValue = int | float | bool | str | list[Any]
+# Numeric arrays come as numpy arrays (in native byte order), string arrays as lists.
+GGUFValue = int | float | bool | str | list[Any] | np.ndarray
 
 
 class _Cursor:
@@ -117,7 +118,10 @@ class _Cursor:
             start, self.pos = self.pos, self.pos + count * dtype.itemsize
             if self.pos > len(self.buf):
                 raise ValueError(f"an array of {count} elements runs past the end of the file at byte {start}")
-            return np.frombuffer(self.buf, dtype, count, start).tolist() if keep else None
+            if not keep:
+                return None
+            # A copy (astype copies): the file's map closes after reading.
+            return np.frombuffer(self.buf, dtype, count, start).astype(dtype.newbyteorder("="))
         code = self.order + _scalar_code(value_type)
         start, self.pos = self.pos, self.pos + struct.calcsize(code)
         return struct.unpack_from(code, self.buf, start)[0] if keep else None
@@ -133,7 +137,8 @@ def _scalar_code(value_type: int) -> str:
 def parse_gguf_metadata(buf: memoryview, keys: Collection[str] | None = None) -> dict[str, GGUFValue]:
     """The key-value metadata in a GGUF file's bytes: every key, or only `keys`.
 
-    Values come as Python objects, as `GGUFReader`'s `field.contents()` gives them: arrays as lists.
+    Values come as `GGUFReader`'s `field.contents()` gives them, except that numeric arrays are numpy
+    arrays (a 150k-entry token type list is then one copy, not 150k Python ints).
     """
     if bytes(buf[:4]) != _MAGIC:
         raise ValueError("not a GGUF file (no GGUF magic)")
