@@ -7,16 +7,15 @@ chosen from `tokenizer.ggml.pre` after llama.cpp's own table.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from conveyor.engine.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from conveyor.model.gguf_metadata import read_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +24,12 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 # Every id that ends generation: llama.cpp's end-of-generation set, from metadata only.
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Every key read here: the metadata reader stops once it has them all.
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template", *_GGUF_EOS_KEYS,
+)
 
 # Split patterns in `tokenizers` (Oniguruma) syntax; llama.cpp keeps these originals as comments
 # next to its hand-expanded versions in llama-vocab.cpp.
@@ -74,55 +79,31 @@ def _make_pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def tokenizer_from_gguf(path: str | Path | GGUFReader) -> Tokenizer:
-    """Build a byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from a GGUF file's metadata.
+def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
+    """Build a byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from a GGUF file's metadata."""
+    started = time.perf_counter()
+    source = str(path)
+    meta = read_gguf_metadata(path, _TOKENIZER_KEYS)
+    read_s = time.perf_counter() - started
 
-    Accepts an open `GGUFReader` too: parsing the metadata takes seconds, so a loader can share one.
-    """
-    from gguf import GGUFReader  # gguf is only needed for GGUF checkpoints
-
-    from conveyor.model.gguf_file import GGUFFile
-
-    if isinstance(path, (GGUFReader, GGUFFile)):
-        reader, source = path, str(getattr(path.data, "filename", "GGUF"))
-    else:
-        from conveyor.model.loader import gguf_reader
-
-        reader, source = gguf_reader(Path(path)), str(path)
-
-    def field(name: str, default: Any = None) -> Any:
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
-
-    model = field("tokenizer.ggml.model")
+    model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
             f"{source}: unsupported GGUF tokenizer model {model!r}; only 'gpt2' (byte-level BPE) is supported"
         )
-    tokens: list[str] = field("tokenizer.ggml.tokens")
-    merges_raw: list[str] | None = field("tokenizer.ggml.merges")
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []  # type: ignore[assignment]
+    merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []  # type: ignore[assignment]
     if not tokens or not merges_raw:
         raise ValueError(f"{source}: GGUF has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    token_types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = meta.get("tokenizer.ggml.token_type")
+    types = np.asarray(token_types if token_types is not None else [], dtype=np.int64)
 
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if not token:
-            token = f"[EMPTY_{i}]"  # llama.cpp's name for empty entries, so ids stay dense
-        if token in vocab:
-            logger.warning(
-                "%s: token %r repeats at ids %d and %d; keeping the first", source, token, vocab[token], i
-            )
-            continue
-        vocab[token] = i
-    merges: list[tuple[str, str]] = []
-    for merge in merges_raw:
-        cut = merge.find(" ", 1)  # a merge's left half may itself start with a space
-        merges.append((merge[:cut], merge[cut + 1 :]))
+    vocab = _vocab(tokens, source)
+    merges = _merges(merges_raw)
 
-    pre = field("tokenizer.ggml.pre", "default")
+    pre = meta.get("tokenizer.ggml.pre", "default")
     if pre in _GGUF_PRE:
-        kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]
+        kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]  # type: ignore[index]
     else:
         logger.warning("%s: unknown tokenizer.ggml.pre %r; using the GPT-2 byte-level split", source, pre)
         kind, ignore_merges, add_bos_default = "gpt2", False, False
@@ -134,33 +115,67 @@ def tokenizer_from_gguf(path: str | Path | GGUFReader) -> Tokenizer:
     # but kept in decoded text, as in llama.cpp and transformers.
     special = [
         AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _TOKEN_TYPE_CONTROL and tokens[i]
+        for i in np.flatnonzero(types == _TOKEN_TYPE_CONTROL).tolist()
+        if tokens[i]
     ]
     added = [
         AddedToken(tokens[i], special=False, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _TOKEN_TYPE_USER_DEFINED and tokens[i]
+        for i in np.flatnonzero(types == _TOKEN_TYPE_USER_DEFINED).tolist()
+        if tokens[i]
     ]
     backend.add_special_tokens(special)
     backend.add_tokens(added)
 
-    def token_at(key: str) -> str | None:
-        token_id = field(key)
-        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+    def token_id_at(key: str) -> int | None:
+        token_id = meta.get(key)
+        return int(token_id) if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
 
-    eos_ids = [
-        int(token_id)
-        for key in _GGUF_EOS_KEYS
-        if (token_id := field(key)) is not None and 0 <= token_id < len(tokens)
-    ]
-    add_bos = field("tokenizer.ggml.add_bos_token")
-    return Tokenizer(
+    def token_at(key: str) -> str | None:
+        token_id = token_id_at(key)
+        return None if token_id is None else tokens[token_id]
+
+    eos_ids = [token_id for key in _GGUF_EOS_KEYS if (token_id := token_id_at(key)) is not None]
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    template = meta.get("tokenizer.chat_template")
+    tokenizer = Tokenizer(
         backend,
         bos_token=token_at("tokenizer.ggml.bos_token_id"),
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
         eos_token_ids=eos_ids,
         add_bos=add_bos_default if add_bos is None else bool(add_bos),
-        chat_template=field("tokenizer.chat_template"),
+        chat_template=template if isinstance(template, str) else None,
         vocab_size=len(tokens),
     )
+    logger.info("GGUF tokenizer: %d tokens, %d merges, built in %.3f s (metadata read in %.3f s)",
+                len(tokens), len(merges), time.perf_counter() - started, read_s)
+    return tokenizer
+
+
+def _vocab(tokens: list[str], source: str) -> dict[str, int]:
+    """token -> id. Empty entries get llama.cpp's `[EMPTY_<id>]` name so ids stay dense; a repeated
+    token keeps its first id."""
+    vocab = dict(zip(tokens, range(len(tokens))))  # the common case, in C: no repeats, no empties
+    if len(vocab) == len(tokens) and "" not in vocab:
+        return vocab
+    vocab = {}
+    for i, token in enumerate(tokens):
+        if not token:
+            token = f"[EMPTY_{i}]"
+        if token in vocab:
+            logger.warning(
+                "%s: token %r repeats at ids %d and %d; keeping the first", source, token, vocab[token], i
+            )
+            continue
+        vocab[token] = i
+    return vocab
+
+
+def _merges(merges_raw: list[str]) -> list[tuple[str, str]]:
+    """"left right" -> (left, right), cut at the first space after the first character (a merge's
+    left half may itself start with a space)."""
+    halves = " ".join(merges_raw).split(" ")
+    if len(halves) == 2 * len(merges_raw) and "" not in halves:
+        # Every merge holds exactly one space with text on both sides (byte-level vocabularies spell
+        # a space as "Ġ"): the one cut, done in C.
+        return list(zip(halves[0::2], halves[1::2]))
+    return [(m[:cut], m[cut + 1 :]) for m in merges_raw for cut in (m.find(" ", 1),)]

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
@@ -27,9 +27,6 @@ from conveyor.engine.chat_template import (
     takes_tools,
 )
 from conveyor.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +201,8 @@ class Tokenizer:
     # -- loaders -------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path | GGUFReader) -> Tokenizer:
-        """Build a byte-level BPE from a GGUF file's metadata (or an open `GGUFReader`); see gguf_vocab.py."""
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build a byte-level BPE from a GGUF file's metadata; see gguf_vocab.py."""
         from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 
         return tokenizer_from_gguf(path)

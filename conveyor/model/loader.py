@@ -264,8 +264,8 @@ def _gguf_reader(path: Path) -> GGUFFile:
 
 
 def gguf_reader(path: Path) -> GGUFFile:
-    """A GGUF file's parsed metadata and mapped tensors, shared by the weights' and the tokenizer's
-    loaders. Keyed by the file's identity, so a rewritten file is parsed again."""
+    """A GGUF file's parsed metadata and mapped tensors for the weights' loaders (the tokenizer reads
+    its own keys with gguf_metadata.py). Keyed by the file's identity, so a rewritten file is parsed again."""
     stat = path.stat()
     return _parsed_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
@@ -275,7 +275,7 @@ def _parsed_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:  # noqa: ARG0
     return GGUFFile(path)
 
 
-def gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN201 - gguf has no typed API
+def gguf_field(reader: GGUFFile, key: str, default=None):  # noqa: ANN001, ANN201 - values of any type
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
