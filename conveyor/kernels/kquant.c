@@ -56,7 +56,7 @@ int64_t quant_panel_bytes(int fmt, int64_t K);
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline float f16_to_f32(uint16_t h) {
+float kq_half_to_float(uint16_t h) {   /* IEEE half -> float, subnormals included */
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
     uint32_t bits;
     if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
@@ -253,6 +253,18 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
     }
 }
 
+/* The rows of x as the matmul quantizes them (for tests and references): q (M, K), d (M, K/32). */
+int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *d) {
+    if (K % QK) return -1;
+    int32_t *s = malloc(sizeof(int32_t) * (K / QK) * 2);
+    float *sd = malloc(sizeof(float) * (K / QK));
+    if (!s || !sd) { free(s); free(sd); return -2; }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, q + m * K, d + m * (K / QK), s, sd, s + K / QK);
+    free(s);
+    free(sd);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ one block decoded, then the rows */
 
 typedef struct {
@@ -351,7 +363,7 @@ static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk)
             }
     const uint16_t *d = (const uint16_t *)unit;
     for (int c = 0; c < NR; c++) {
-        const float dc = f16_to_f32(d[c]);
+        const float dc = kq_half_to_float(d[c]);
         if (fmt == FMT_Q5_0) blk->dmul[c] = dc;
         else if (fmt == FMT_Q6_K) {
             const int8_t *sc = (const int8_t *)(unit + 64);
@@ -363,7 +375,7 @@ static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk)
         } else {
             const uint16_t *dmin = (const uint16_t *)(unit + 64);
             blk->dmul[c] = dc * (float)unit[128 + kb * 32 + c];
-            blk->mmul[c] = f16_to_f32(dmin[c]) * (float)unit[384 + kb * 32 + c];
+            blk->mmul[c] = kq_half_to_float(dmin[c]) * (float)unit[384 + kb * 32 + c];
         }
     }
 #endif

@@ -11,7 +11,7 @@
  * vector of codes times a broadcast of 4 activation bytes gives 16 channels' partial dots at once.
  *
  * Activations are quantized per row and per 32-block to int8 (d_x = amax / 127), as llama.cpp's
- * Q8 activations. Per block the integer dot is exact, and the float step
+ * Q8 activations, by kquant.c's linear layer, which runs these tiles as its segments. Per block the integer dot is exact, and the float step
  *   acc += float(isum - zp * sum(q_x)) * (d_w * d_x)   (+ m_w * (d_x * sum(q_x)))
  * runs in one fixed order per row, so a row's output never depends on M or on the other rows.
  * Code paths: AVX-512 VNNI, AVX2 (maddubs/madd), portable C; chosen by the build flags.
@@ -49,41 +49,8 @@ static inline int64_t block_bytes(int fmt) { return code_bytes(fmt) + (fmt == FM
 static inline int zero_point(int fmt) { return fmt == FMT_Q8 ? 128 : fmt == FMT_Q4_0 ? 8 : 0; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {   /* subnormal: normalise */
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1; e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* One row: per 32-block scale d = amax / 127, codes q = round(x / d), and sum(q) for the zero points. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s, float *sd) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0.f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) {
-            const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
-            q[b * QK + i] = (int8_t)v;
-            sum += v;
-        }
-        d[b] = scale;
-        s[b] = sum;
-        sd[b] = scale * (float)sum;
-    }
-}
+float kq_half_to_float(uint16_t h);   /* kquant.c */
+#define half_to_float kq_half_to_float
 
 /* ------------------------------------------------------------------ tiles: mr rows x one panel */
 
@@ -284,70 +251,6 @@ void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, 
 }
 
 int64_t quant_panel_bytes(int fmt, int64_t K) { return K / QK * block_bytes(fmt); }
-
-/* Quantize the rows of x as the matmul does (for tests and references): q (M, K), d (M, K/32). */
-int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *d) {
-    if (K % QK) return -1;
-    int32_t *s = malloc(sizeof(int32_t) * (K / QK));
-    float *sd = malloc(sizeof(float) * (K / QK));
-    if (!s || !sd) { free(s); free(sd); return -2; }
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, q + m * K, d + m * (K / QK), s, sd);
-    free(s);
-    free(sd);
-    return 0;
-}
-
-typedef struct {
-    const float *x, *bias;
-    const uint8_t *w;
-    float *y;
-    int8_t *qx;
-    float *dx, *sxd;
-    int32_t *sx;
-    int64_t ldx, ldy, M, N, K, KB, panels, fmt;
-} quant_job;
-
-static void quantize_item(void *arg, int64_t m) {
-    const quant_job *j = arg;
-    quantize_row(j->x + m * j->ldx, j->K, j->qx + m * j->K, j->dx + m * j->KB, j->sx + m * j->KB, j->sxd + m * j->KB);
-}
-
-/* Work items are (block of MC rows, panel of NR columns), block-major. */
-static void tile_item(void *arg, int64_t item) {
-    const quant_job *j = arg;
-    const int64_t panels = j->panels, KB = j->KB, K = j->K, M = j->M, ldy = j->ldy, fmt = j->fmt;
-    const int64_t p = item % panels, m_end = min64(M, (item / panels + 1) * MC);
-    const int64_t n0 = p * NR, nc = min64(NR, j->N - n0);
-    const uint8_t *wp = j->w + p * KB * block_bytes((int)fmt);
-    const float *bp = j->bias ? j->bias + n0 : 0;
-    const int8_t *qx = j->qx;
-    const float *dx = j->dx, *sxd = j->sxd;
-    const int32_t *sx = j->sx;
-    float *y = j->y;
-    for (int64_t m = (item / panels) * MC; m < m_end; m += MR) {
-        const int mr = (int)min64(MR, m_end - m);
-        const int64_t a = m * KB;
-        if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-        else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-        else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bp, y + m * ldy + n0, ldy, nc); }
-    }
-}
-
-int quant_gemm(const float *x, int64_t ldx, const uint8_t *w, int64_t fmt, const float *bias, float *y,
-               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    if (K % QK || fmt < FMT_Q8 || fmt > FMT_Q4_1) return -1;
-    if (M <= 0) return 0;
-    const int64_t KB = K / QK, panels = (N + NR - 1) / NR, blocks = (M + MC - 1) / MC;
-    int8_t *qx = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * M * KB), *sxd = malloc(sizeof(float) * M * KB);
-    int32_t *sx = malloc(sizeof(int32_t) * M * KB);
-    if (!qx || !dx || !sxd || !sx) { free(qx); free(dx); free(sxd); free(sx); return -2; }
-    quant_job job = {x, bias, w, y, qx, dx, sxd, sx, ldx, ldy, M, N, K, KB, panels, fmt};
-    pool_for(M, quantize_item, &job, M * K < 16384 ? 1 : num_threads);   /* a few rows: not worth a thread */
-    pool_for(panels * blocks, tile_item, &job, num_threads);
-    free(qx); free(dx); free(sxd); free(sx);
-    return 0;
-}
 
 /* Which code path this build took, for logs and tests: 0 portable, 1 AVX2, 2 AVX-512 VNNI. */
 int quant_isa(void) {

@@ -58,8 +58,6 @@ class QuantWeight:
 def _lib(built: KernelLibrary) -> ctypes.CDLL:
     lib = built.lib
     if not getattr(lib, "_quant_declared", False):
-        lib.quant_gemm.restype = ctypes.c_int
-        lib.quant_gemm.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64]
         lib.quant_activations.restype = ctypes.c_int
         lib.quant_activations.argtypes = [_P, _I64, _I64, _I64, _P, _P]
         lib.quant_isa.restype = ctypes.c_int
