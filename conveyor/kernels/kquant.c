@@ -29,20 +29,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kquant.h"
 #include "pool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define QK 32
-#define NR 32
 #define MC 64
 #define MR 3
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
-
-enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q5_0 = 3, FMT_Q4_K = 4, FMT_Q5_K = 5, FMT_Q6_K = 6, FMT_END };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KQ_AVX2 1
@@ -52,179 +49,8 @@ enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q5_0 = 3, FMT_Q4_K = 4, FMT_Q
 void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, int64_t K, const float *dx,
                       const int32_t *sx, const float *sxd, const float *bias, float *y, int64_t ldy, int64_t nc,
                       int64_t m0, int64_t m1);
-int64_t quant_panel_bytes(int fmt, int64_t K);
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-float kq_half_to_float(uint16_t h) {   /* IEEE half -> float, subnormals included */
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1; e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* ------------------------------------------------------------------ format geometry */
-
-static inline int64_t unit_k(int fmt) { return fmt == FMT_Q5_0 ? 32 : 256; }
-static inline int64_t header_bytes(int fmt) { return fmt == FMT_Q5_0 ? 64 : fmt == FMT_Q6_K ? 576 : 640; }
-static inline int64_t high_bytes(int fmt) { return fmt == FMT_Q6_K ? 256 : fmt == FMT_Q4_K ? 0 : 128; }
-static inline int64_t body_bytes(int fmt) { return 512 + high_bytes(fmt); }
-static inline int64_t unit_bytes(int fmt) { return header_bytes(fmt) + unit_k(fmt) / QK * body_bytes(fmt); }
-/* The file's block: bytes per unit_k weights of one row. */
-static inline int64_t file_block_bytes(int fmt) {
-    return fmt == FMT_Q5_0 ? 22 : fmt == FMT_Q4_K ? 144 : fmt == FMT_Q5_K ? 176 : 210;
-}
-
-/* Bytes of a repacked (N, K) weight; -1 when the format cannot take K. */
-int64_t kq_packed_bytes(int fmt, int64_t N, int64_t K) {
-    const int64_t panels = (N + NR - 1) / NR;
-    if (fmt < FMT_Q5_0) return K % QK ? -1 : panels * quant_panel_bytes(fmt, K);
-    if (fmt >= FMT_END || K % unit_k(fmt)) return -1;
-    return panels * (K / unit_k(fmt)) * unit_bytes(fmt);
-}
-
-/* ------------------------------------------------------------------ repacking from GGUF blocks */
-
-/* Q4_K / Q5_K: the 6-bit scale and min of 32-k block j from the 12 packed bytes. */
-static inline void scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
-    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
-    else { *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-}
-
-/* The unsigned codes of one file block (unit_k of them). */
-static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
-    if (fmt == FMT_Q8) {
-        for (int e = 0; e < 32; e++) q[e] = (uint8_t)((int8_t)b[2 + e] + 128);
-    } else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
-        const uint8_t *qs = b + (fmt == FMT_Q4_0 ? 2 : 4);
-        for (int e = 0; e < 16; e++) { q[e] = qs[e] & 15; q[e + 16] = qs[e] >> 4; }
-    } else if (fmt == FMT_Q5_0) {
-        uint32_t qh;
-        memcpy(&qh, b + 2, 4);
-        for (int e = 0; e < 16; e++) {
-            q[e] = (uint8_t)((b[6 + e] & 15) | ((qh >> e) & 1) << 4);
-            q[e + 16] = (uint8_t)((b[6 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
-        }
-    } else if (fmt == FMT_Q6_K) {
-        for (int half = 0; half < 2; half++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t *ql = b + half * 64, hi = b[128 + half * 32 + l];
-                uint8_t *o = q + half * 128;
-                o[l] = (uint8_t)((ql[l] & 15) | (hi & 3) << 4);
-                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((hi >> 2) & 3) << 4);
-                o[l + 64] = (uint8_t)((ql[l] >> 4) | ((hi >> 4) & 3) << 4);
-                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((hi >> 6) & 3) << 4);
-            }
-    } else {
-        const uint8_t *qs = b + (fmt == FMT_Q4_K ? 16 : 48), *qh = b + 16;
-        for (int j = 0; j < 8; j++)
-            for (int l = 0; l < 32; l++) {
-                int v = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
-                if (fmt == FMT_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
-                q[j * 32 + l] = (uint8_t)v;
-            }
-    }
-}
-
-typedef struct {
-    int fmt;
-    const uint8_t *raw;
-    int64_t row_bytes;
-    const int64_t *rows;   /* file row of each output channel, or NULL for the identity */
-    int64_t N, K;
-    uint8_t *out;
-} repack_job;
-
-/* quant.c's layout (Q8: codes [8 g][32 ch][4 k], Q4: nibbles [8 g][16 ch][4 k]; then d[32], m[32]). */
-static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t *q, uint8_t *blk) {
-    const int64_t codes = fmt == FMT_Q8 ? 1024 : 512;
-    for (int k = 0; k < QK; k++) {
-        const int g = k / 4, i = k % 4;
-        if (fmt == FMT_Q8) blk[g * 128 + c * 4 + i] = q[k];
-        else blk[g * 64 + (c % 16) * 4 + i] |= (uint8_t)(q[k] << (c < 16 ? 0 : 4));
-    }
-    memcpy(blk + codes + 2 * c, b, 2);
-    if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, b + 2, 2);
-}
-
-static void repack_panel(void *arg, int64_t p) {
-    const repack_job *j = arg;
-    const int fmt = j->fmt;
-    const int legacy = fmt < FMT_Q5_0;
-    const int64_t uk = legacy ? QK : unit_k(fmt), units = j->K / uk, blocks = uk / QK;
-    const int64_t ub = legacy ? quant_panel_bytes(fmt, QK) : unit_bytes(fmt);
-    const int64_t fb = legacy ? (fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : 20) : file_block_bytes(fmt);
-    uint8_t *panel = j->out + p * units * ub;
-    memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
-    uint8_t q[256];
-    for (int c = 0; c < NR; c++) {
-        const int64_t n = p * NR + c;
-        if (n >= j->N) break;
-        const uint8_t *row = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
-        const int o = c / 8, p8 = (c % 8) * 4;
-        for (int64_t u = 0; u < units; u++) {
-            const uint8_t *b = row + u * fb;
-            uint8_t *unit = panel + u * ub, *hdr = unit;
-            file_codes(fmt, b, q);
-            if (legacy) { repack_legacy_block(fmt, c, b, q, unit); continue; }
-            if (fmt == FMT_Q6_K) {
-                memcpy(hdr + 2 * c, b + 208, 2);
-                for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = b[192 + s];
-            } else {
-                memcpy(hdr + 2 * c, b, 2);
-                if (fmt != FMT_Q5_0) {
-                    memcpy(hdr + 64 + 2 * c, b + 2, 2);
-                    for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, hdr + 128 + s * 32 + c, hdr + 384 + s * 32 + c);
-                }
-            }
-            for (int64_t kb = 0; kb < blocks; kb++) {
-                uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
-                const uint8_t *qb = q + kb * QK;
-                const int shift = c < 16 ? 0 : 4;
-                for (int g = 0; g < 8; g++) {   /* a channel's 4 k of a group are 4 adjacent bytes */
-                    uint32_t lo = 0, hi = 0, word;
-                    for (int i = 0; i < 4; i++) {
-                        lo |= (uint32_t)(qb[g * 4 + i] & 15) << (8 * i);
-                        hi |= (uint32_t)(qb[g * 4 + i] >> 4) << (8 * i);
-                    }
-                    uint8_t *dst = nib + g * 64 + (c % 16) * 4;
-                    memcpy(&word, dst, 4);
-                    word |= lo << shift;
-                    memcpy(dst, &word, 4);
-                    if (fmt == FMT_Q4_K) continue;
-                    dst = fmt == FMT_Q6_K ? high + g * 32 + p8 : high + (g / 2) * 32 + p8;
-                    memcpy(&word, dst, 4);
-                    word |= hi << (fmt == FMT_Q6_K ? 2 * o : o + 4 * (g & 1));
-                    memcpy(dst, &word, 4);
-                }
-            }
-        }
-    }
-}
-
-/* GGUF blocks of an (N, K) weight (row r at raw + r * row_bytes) -> our panels in `out`
- * (kq_packed_bytes long; quant.c's layout for Q8_0 / Q4_0 / Q4_1). Returns 0, or -1 for a format or
- * K it cannot take. */
-int kq_repack(int fmt, const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
-              uint8_t *out, int64_t num_threads) {
-    if (fmt < 0 || fmt >= FMT_END) return -1;
-    const int64_t uk = fmt < FMT_Q5_0 ? QK : unit_k(fmt);
-    const int64_t fb = fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : file_block_bytes(fmt);
-    if (K % uk || row_bytes < K / uk * fb) return -1;
-    repack_job job = {fmt, raw, row_bytes, rows, N, K, out};
-    pool_for((N + NR - 1) / NR, repack_panel, &job, num_threads);
-    return 0;
-}
 
 /* ------------------------------------------------------------------ activations */
 
