@@ -60,21 +60,51 @@ typedef struct {
     int32_t *sx, *s16; /* [M][KB]: sum; the two 16-k half sums as int16 (lo | hi << 16) */
 } acts;
 
+/* One row: per 32-block scale d = amax / 127, codes q = round-to-nearest-even(x * 127 / amax), the
+ * block's sum and its two 16-halves' sums. The AVX2 path gives the same bits as the scalar one. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s, float *sd, int32_t *s16) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t half[2] = {0, 0};
+        float amax = 0.f;
+#if defined(KQ_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        amax = _mm_cvtss_f32(m4);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i c[4];
+        for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        for (int h = 0; h < 2; h++) {
+            __m256i t = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+            half[h] = _mm_cvtsi128_si32(t4);
+        }
+        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back. */
+        const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        _mm256_storeu_si256((__m256i *)(q + b * QK),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int i = 0; i < QK; i++) {
             const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
             q[b * QK + i] = (int8_t)v;
             half[i / 16] += v;
         }
-        d[b] = scale;
+#endif
+        d[b] = amax / 127.f;
         s[b] = half[0] + half[1];
-        sd[b] = scale * (float)s[b];
+        sd[b] = d[b] * (float)s[b];
         s16[b] = (int32_t)(((uint32_t)half[0] & 0xffff) | ((uint32_t)half[1] << 16));
     }
 }

@@ -87,3 +87,15 @@ def test_c_repack_of_the_legacy_formats_equals_the_numpy_one(fmt: str) -> None:
     library = _library("native")
     raw = random_blocks(fmt, 45, 96, seed=2)
     assert torch.equal(quant.repack(library, fmt, raw, 45, 96).data, quant.from_gguf_blocks(fmt, raw, 45, 96).data)
+
+
+def test_activation_quantization_is_the_same_on_every_path() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 544, generator=gen) * 3
+    x[1, :64] = 0                                      # all-zero blocks
+    x[2, 96:128] = 126.5 / 127 * 2                     # a block of exact ties, rounded to even
+    x[2, 96] = 2.0
+    x[3, 7] = 1e30
+    native = quant.activations(_library("native"), x)
+    assert torch.equal(native, quant.activations(_library("portable"), x))
+    assert torch.equal(native[2, 97:128], torch.full((31,), 126.0) * (torch.tensor(2.0) / 127))
