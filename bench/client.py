@@ -163,10 +163,11 @@ def wait_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool] =
     raise TimeoutError(f"server at {base_url} not healthy after {timeout_s:.0f} s")
 
 
-def greedy_text(base_url: str, prompt_token_ids: list[int], max_tokens: int, timeout_s: float = 600.0) -> str:
-    """The text of one greedy, non-streaming /v1/completions call on a token-id prompt, exactly
-    `max_tokens` long (ignore_eos)."""
-    body = {"prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def greedy_text(base_url: str, prompt_token_ids: list[int], max_tokens: int, ignore_eos: bool = False,
+                timeout_s: float = 600.0) -> str:
+    """The text of one greedy, non-streaming /v1/completions call on a token-id prompt: up to
+    `max_tokens` tokens, ending at the end-of-sequence token unless `ignore_eos`."""
+    body = {"prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
     response = httpx.post(base_url.rstrip("/") + "/v1/completions", json=body, timeout=timeout_s)
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
