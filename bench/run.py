@@ -53,10 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--conveyor-dtype", default=None,
                    help="conveyor's --dtype (default: float32, the same weight values as llama.cpp's F32 file; "
-                        "with --model, conveyor's own default)")
+                        "with --model FILE.gguf, conveyor's own default)")
     p.add_argument("--conveyor-quantization", default=None,
                    help="conveyor's --quantization, passed through (int8: compare with llama-server-q8_0; gguf: with "
-                        "-q4_1; default: none, with --model conveyor's own default)")
+                        "-q4_1; default: none, with --model FILE.gguf conveyor's own default)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
     p.add_argument("--poisson-rate", default="auto",
@@ -241,9 +241,10 @@ def peer_family(args: argparse.Namespace) -> str:
 
 
 def resolve_conveyor_options(args: argparse.Namespace) -> None:
-    """Unset --conveyor-dtype/--conveyor-quantization: float32 weights (the F32 peer's) on the bundled model;
-    with --model, None: the flag is not passed and conveyor runs the file as it would by default."""
-    if args.model is None:
+    """Unset --conveyor-dtype/--conveyor-quantization: float32 weights (the F32 peer's) on the bundled model
+    or an HF folder; with --model FILE.gguf, None: the flag is not passed and conveyor runs the file as
+    it would by default, as llama-server does."""
+    if args.model is None or not servers.is_gguf(Path(args.model)):
         args.conveyor_dtype = args.conveyor_dtype or "float32"
         args.conveyor_quantization = args.conveyor_quantization or "none"
 
