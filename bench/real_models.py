@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench import report, servers
-from bench.client import greedy_text, run_serving
+from bench.client import ServingRun, greedy_text, run_serving
 from bench.limits import model_arch
 from bench.metrics import summarize
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
@@ -125,6 +125,15 @@ def chat_prompts(model: Path, count: int) -> list[list[int]]:
     return prompts
 
 
+def served(base_url: str, requests: list[OfflineRequest], max_concurrency: int | None = None) -> ServingRun:
+    """run_serving, all at once or `max_concurrency` at a time; a failed request fails the measurement."""
+    run = run_serving(base_url, requests, max_concurrency=max_concurrency)
+    errors = sorted({r.error for r in run.records if r.error})
+    if errors or any(r.ttft_s is None for r in run.records):
+        raise RuntimeError(f"requests to {base_url} failed: {errors or 'no output'}")
+    return run
+
+
 class Measurement:
     """Every start of one system on one file: load times, peak memory and the figures of each phase."""
 
@@ -159,10 +168,10 @@ class Measurement:
             pass
         self.ended(first)
         with self.start("warm", 1, ctx) as server:
-            run_serving(server.base_url, warmup_workload(vocab_high=self.vocab_high))
-            tpot = summarize(run_serving(server.base_url, decode, max_concurrency=1))["tpot_ms"]["mean"]
+            served(server.base_url, warmup_workload(vocab_high=self.vocab_high))
+            tpot = summarize(served(server.base_url, decode, max_concurrency=1))["tpot_ms"]["mean"]
             fig["decode_tok_s"] = 1000 / tpot
-            ttfts = [run_serving(server.base_url, [p]).records[0].ttft_s for p in prompts]
+            ttfts = [served(server.base_url, [p]).records[0].ttft_s for p in prompts]
             fig["prompt_ttft_ms"] = 1000 * statistics.median(ttfts)
             fig["prompt_tok_s"] = s.prompt_tokens / statistics.median(ttfts)
             fig["greedy_texts"] = [greedy_text(server.base_url, p, s.greedy_tokens) for p in greedy_prompts]
@@ -192,8 +201,8 @@ class Measurement:
     def batch(self, base_url: str) -> dict:
         s = self.sizes
         requests = self.workload(s.batch_requests, s.batch_min_prompt, s.batch_max_prompt, s.batch_tokens, seed=2)
-        run_serving(base_url, warmup_workload(vocab_high=self.vocab_high))
-        fig = summarize(run_serving(base_url, requests))
+        served(base_url, warmup_workload(vocab_high=self.vocab_high))
+        fig = summarize(served(base_url, requests))
         return {"output_tok_s": fig["output_tokens_per_s"], "output_tokens": fig["output_tokens"],
                 "failed": fig["failed"], "ttft_p50_ms": fig["ttft_ms"]["p50"], "tpot_mean_ms": fig["tpot_ms"]["mean"]}
 
