@@ -51,6 +51,7 @@ CHAT_PROMPTS = ("What is the capital of France?", "Write a Python function that 
 
 @dataclass(frozen=True)
 class Sizes:
+    first_start: int = 1        # 0: no start before the warm one (no first-start load time; quicker)
     decode_requests: int = 4
     decode_tokens: int = 128
     prompt_tokens: int = 512
@@ -100,11 +101,9 @@ def conveyor_server(model: Path, args: argparse.Namespace) -> Server:
         kv_cache_memory=args.conveyor_kv_cache_memory), lambda _p, _c: kv, sweeps_parallel=False)
 
 
-def llama_server(llama: servers.LlamaCpp, model: Path, threads: int) -> Server:
-    try:
-        per_token = model_arch(str(model)).kv_bytes_per_token * 2   # f16 K and V, llama-server's default
-    except (ValueError, KeyError, NotImplementedError):
-        per_token = None   # an architecture conveyor cannot read: the KV size goes unreported
+def llama_server(llama: servers.LlamaCpp, model: Path, threads: int, arch) -> Server:  # noqa: ANN001
+    """`arch`: the file's ModelArch, None where conveyor cannot read it (the KV size goes unreported)."""
+    per_token = arch.kv_bytes_per_token * 2 if arch is not None else None   # f16 K and V, llama-server's default
     return Server("llama-server", lambda port, p, c: llama.command(port, model, parallel=p, ctx_per_slot=c,
                                                                    threads=threads),
                   lambda p, c: p * c * per_token if per_token else None, sweeps_parallel=True)
@@ -152,8 +151,11 @@ class Measurement:
                                 startup_timeout_s=600, poll_s=0.05, memory_interval_s=MEMORY_INTERVAL_S)
 
     def ended(self, launched: servers.Launched) -> None:
-        self.launches[-1].update(load_s=launched.startup_s, peak_rss_bytes=launched.memory.peak_bytes,
-                                 memory_samples=launched.memory.num_samples)
+        memory = launched.memory
+        self.launches[-1].update(load_s=launched.startup_s, peak_rss_bytes=memory.peak_bytes,
+                                 memory_samples=memory.num_samples,
+                                 process_peak_rss_bytes={("server" if pid == launched.process.pid else f"child {pid}"):
+                                                         peak for pid, peak in memory.process_peak_bytes.items()})
 
     def workload(self, n: int, low: int, high: int, tokens: int, seed: int) -> list[OfflineRequest]:
         return offline_workload(n, low, high, tokens, vocab_low=min(100, self.vocab_high // 4),
@@ -164,9 +166,10 @@ class Measurement:
         decode = self.workload(s.decode_requests, 100, 300, s.decode_tokens, seed=1)
         prompts = self.workload(s.prompt_repeats, s.prompt_tokens, s.prompt_tokens, 1, seed=3)
         ctx = max(s.prompt_tokens + 1, 300 + s.decode_tokens, max(map(len, greedy_prompts)) + s.greedy_tokens) + 16
-        with self.start("first", 1, ctx) as first:
-            pass
-        self.ended(first)
+        if s.first_start:
+            with self.start("first", 1, ctx) as first:
+                pass
+            self.ended(first)
         with self.start("warm", 1, ctx) as server:
             served(server.base_url, warmup_workload(vocab_high=self.vocab_high))
             tpot = summarize(served(server.base_url, decode, max_concurrency=1))["tpot_ms"]["mean"]
@@ -178,7 +181,8 @@ class Measurement:
             if not self.server.sweeps_parallel:
                 fig["batch"] = self.batch(server.base_url)
         self.ended(server)
-        fig["load_first_s"], fig["load_warm_s"] = self.launches[0]["load_s"], self.launches[1]["load_s"]
+        fig["load_first_s"] = self.launches[0]["load_s"] if s.first_start else None
+        fig["load_warm_s"] = self.launches[-1]["load_s"]
         if self.server.sweeps_parallel:
             by_parallel = {}
             for parallel in s.llama_parallel:
@@ -313,14 +317,20 @@ def main() -> None:
     for model in map(Path, args.model):
         if not servers.is_gguf(model):
             raise SystemExit(f"{model} is not a GGUF file")
-        vocab_high = min(40_000, model_arch(str(model)).vocab_size)
+        try:
+            arch = model_arch(str(model))
+        except (ValueError, KeyError, NotImplementedError) as exc:
+            print(f"{model.name}: conveyor cannot read its shapes ({exc}); prompts use token ids below 32000")
+            arch = None
+        vocab_high = min(40_000, arch.vocab_size) if arch is not None else 32_000
         greedy = chat_prompts(model, sizes.greedy_prompts)
         systems: dict[str, dict] = {}
         for name in chosen:   # one after the other, never beside each other
             if name == "llama-server" and llama is None:
                 systems[name] = {"skipped": f"llama-server not found under {args.peers_dir}: {servers.BUILD_HINT}"}
                 continue
-            server = conveyor_server(model, args) if name == "conveyor" else llama_server(llama, model, args.threads)
+            server = conveyor_server(model, args) if name == "conveyor" else \
+                llama_server(llama, model, args.threads, arch)
             measurement = Measurement(server, model, sizes, args.log_dir, vocab_high)
             try:
                 systems[name] = measurement.run(greedy)

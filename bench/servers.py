@@ -53,6 +53,7 @@ class PeakRss:
         self.pid = pid
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self.process_peak_bytes: dict[int, int] = {}   # pid -> its own peak RSS (the root and each child)
         self.num_samples = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rss-{pid}", daemon=True)
@@ -76,7 +77,9 @@ class PeakRss:
         total = 0
         for proc in procs:
             with contextlib.suppress(psutil.Error):   # a child may end between listing and reading
-                total += proc.memory_info().rss
+                rss = proc.memory_info().rss
+                total += rss
+                self.process_peak_bytes[proc.pid] = max(self.process_peak_bytes.get(proc.pid, 0), rss)
         return total
 
     def _run(self) -> None:
