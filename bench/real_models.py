@@ -257,7 +257,7 @@ def table(name: str, file_bytes: int, sizes: Sizes, systems: dict[str, dict], co
                      f"{theirs['batch']['best_parallel']} of {', '.join(map(str, sizes.llama_parallel))})")
     agreement = comparison.get("greedy_agreement")
     if agreement:
-        lines.append(f"  greedy: first {sizes.greedy_tokens} tokens' text identical on "
+        lines.append(f"  greedy text (up to {sizes.greedy_tokens} tokens) identical on "
                      f"{agreement['identical']}/{agreement['prompts']} chat prompts")
     for system, fig in systems.items():
         if fig.get("skipped"):
@@ -273,15 +273,18 @@ def plot(results: dict[str, dict], path: Path) -> str | None:
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     labels = [f"{label}\n({'higher' if higher else 'lower'} is better)" for _, label, higher in METRICS]
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / max(1, len(results))
     for i, (name, result) in enumerate(results.items()):
-        ratios = [result["comparison"]["ratios"][key] or 0.0 for key, _, _ in METRICS]
+        ratios = [result["comparison"]["ratios"][key] or float("nan") for key, _, _ in METRICS]
         bars = ax.bar([x + i * width for x in range(len(METRICS))], ratios, width, label=name)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")   # 0.5x and 2x the same distance from parity
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xticks([x + width * (len(results) - 1) / 2 for x in range(len(METRICS))], labels, fontsize=7)
     ax.set_ylabel("conveyor / llama-server")
     ax.set_title("conveyor serve vs llama-server on the same GGUF file")

@@ -85,7 +85,7 @@ def test_llama_server_figures(bench_run: tuple[dict, str, Path]) -> None:
     assert all(ratio > 0 for key, ratio in result["comparison"]["ratios"].items() if key != "load_first_s")
     assert result["comparison"]["greedy_agreement"]["prompts"] == 2
     pngs = list(out_dir.glob("real-models-*.png"))
-    assert len(pngs) == 1 and pngs[0].stat().st_size > 0 and "greedy:" in stdout
+    assert len(pngs) == 1 and pngs[0].stat().st_size > 0 and "greedy text" in stdout
 
 
 def test_sizes_and_ratios() -> None:
