@@ -233,8 +233,8 @@ class Runner:
 
 def peer_family(args: argparse.Namespace) -> str:
     """The llama-server family whose weights match conveyor's in this run (gguf: the bundled Q4_1 file;
-    with --model: that file)."""
-    if args.model is not None:
+    with --model FILE.gguf: that file; an HF folder is compared as float32 weights, like the bundled model)."""
+    if args.model is not None and servers.is_gguf(Path(args.model)):
         return MODEL_PEER
     return {"int8": "llama-server-q8_0", "gguf": "llama-server-q4_1"}.get(args.conveyor_quantization,
                                                                        "llama-server-f32")

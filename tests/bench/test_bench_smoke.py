@@ -171,3 +171,4 @@ def test_model_file_is_the_llama_peer(tmp_path: Path) -> None:
         resolve_conveyor_options(args)
         assert (args.conveyor_dtype, args.conveyor_quantization) == expected
     assert peer_family(argparse.Namespace(model=str(gguf), conveyor_quantization=None)) == MODEL_PEER
+    assert peer_family(argparse.Namespace(model=str(folder), conveyor_quantization="none")) == "llama-server-f32"
