@@ -2,6 +2,7 @@
 
     python -m bench run                                   # every system, the full default workload
     python -m bench run --systems conveyor,llama-server-f32 --num-requests 8 --output-tokens 32 --concurrency 8
+    python -m bench run --model FILE.gguf --systems conveyor-server,llama-server   # llama-server serves FILE.gguf
     python -m bench serve --url http://127.0.0.1:8000 --rate 2 --num-requests 64
     python -m bench limits --threads 2
 """

@@ -147,9 +147,9 @@ def run_serving(base_url: str, requests: list[OfflineRequest], *, model: str | N
 
 
 def wait_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool] = lambda: True,
-                 path: str = "/health") -> None:
-    """Poll GET `path` (/health; Prometheus says /-/ready) until it answers 200; raises TimeoutError,
-    or RuntimeError if the server died."""
+                 path: str = "/health", poll_s: float = 0.25) -> None:
+    """Poll GET `path` (/health; Prometheus says /-/ready) every `poll_s` until it answers 200; raises
+    TimeoutError, or RuntimeError if the server died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not is_alive():
@@ -159,5 +159,15 @@ def wait_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool] =
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
+        time.sleep(poll_s)
     raise TimeoutError(f"server at {base_url} not healthy after {timeout_s:.0f} s")
+
+
+def greedy_text(base_url: str, prompt_token_ids: list[int], max_tokens: int, ignore_eos: bool = False,
+                timeout_s: float = 600.0) -> str:
+    """The text of one greedy, non-streaming /v1/completions call on a token-id prompt: up to
+    `max_tokens` tokens, ending at the end-of-sequence token unless `ignore_eos`."""
+    body = {"prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
+    response = httpx.post(base_url.rstrip("/") + "/v1/completions", json=body, timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]

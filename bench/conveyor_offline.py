@@ -15,11 +15,14 @@ from bench.workloads import OfflineRequest
 
 
 def make_llm(model: str | None, threads: int, max_num_seqs: int, max_num_batched_tokens: int,
-             kv_cache_memory: str, dtype: str = "float32", quantization: str = "none"):  # -> conveyor.LLM
+             kv_cache_memory: str, dtype: str | None = "float32",
+             quantization: str | None = "none"):  # -> conveyor.LLM
+    """dtype or quantization None: conveyor's own default."""
     from conveyor import LLM
 
-    return LLM(model, dtype=dtype, quantization=quantization, threads=threads, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory)
+    options = {k: v for k, v in {"dtype": dtype, "quantization": quantization}.items() if v is not None}
+    return LLM(model, threads=threads, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+               kv_cache_memory=kv_cache_memory, **options)
 
 
 def _params(requests: list[OfflineRequest]) -> list:

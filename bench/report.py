@@ -36,7 +36,19 @@ def machine() -> dict:
         info["load_average_at_start"] = os.getloadavg()
     except OSError:
         info["cpu_model"] = platform.processor()
+    info["lscpu"] = lscpu()
     return info
+
+
+def lscpu() -> dict[str, str]:
+    """lscpu's naming of the CPU (vendor, model name, family/model/stepping: which core generation)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    wanted = ("Vendor ID", "Model name", "CPU family", "Model", "Stepping", "L2 cache", "L3 cache")
+    fields = (line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in fields if k.strip() in wanted}
 
 
 def versions(llama_commit: str | None) -> dict:

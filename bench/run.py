@@ -24,10 +24,11 @@ from bench.metrics import samples, summarize
 from bench.workloads import OfflineRequest, add_workload_arguments, offline_workload, warmup_workload
 
 FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q8_0", "llama-server-q4_1",
-            "hf-sequential", "hf-static", "hf-generate-batch")
-LLAMA_FAMILIES = ("llama-server-f32", "llama-server-q8_0", "llama-server-q4_1")
-ALIASES = {"all": FAMILIES, "hf": ("hf-sequential", "hf-static", "hf-generate-batch"),
-           "llama-server": LLAMA_FAMILIES}
+            "llama-server-model", "hf-sequential", "hf-static", "hf-generate-batch")
+LLAMA_FAMILIES = ("llama-server-f32", "llama-server-q8_0", "llama-server-q4_1")   # the bundled model's files
+MODEL_PEER = "llama-server-model"   # llama-server on the --model GGUF file itself: what any llama family means then
+ALIASES = {"all": tuple(f for f in FAMILIES if f != MODEL_PEER),
+           "hf": ("hf-sequential", "hf-static", "hf-generate-batch"), "llama-server": LLAMA_FAMILIES}
 
 
 def int_list(text: str) -> list[int]:
@@ -37,7 +38,9 @@ def int_list(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default="all",
                    help=f"comma list of {', '.join(FAMILIES)}; or all, hf, llama-server (default: all)")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF); llama-server then serves "
+                        "this same GGUF file (system llama-server-model)")
     add_workload_arguments(p)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
     p.add_argument("--concurrency", default="1,16,32,64",
@@ -48,10 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="conveyor offline (default: largest --conveyor-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="4GiB")
-    p.add_argument("--conveyor-dtype", default="float32",
-                   help="conveyor's --dtype (default float32: the same weight values as llama.cpp's F32 file)")
-    p.add_argument("--conveyor-quantization", default="none", choices=("none", "int8", "gguf"),
-                   help="conveyor's --quantization (int8: compare with llama-server-q8_0; gguf: with -q4_1)")
+    p.add_argument("--conveyor-dtype", default=None,
+                   help="conveyor's --dtype (default: float32, the same weight values as llama.cpp's F32 file; "
+                        "with --model FILE.gguf, conveyor's own default)")
+    p.add_argument("--conveyor-quantization", default=None,
+                   help="conveyor's --quantization, passed through (int8: compare with llama-server-q8_0; gguf: with "
+                        "-q4_1; default: none, with --model FILE.gguf conveyor's own default)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
     p.add_argument("--poisson-rate", default="auto",
@@ -173,10 +178,10 @@ class Runner:
             hint = servers.BUILD_HINT if self.args.peers_dir == servers.DEFAULT_PEERS_DIR else \
                 f"{servers.BUILD_HINT} {self.args.peers_dir}"
             reason = f"llama-server not found under {self.args.peers_dir}: {hint}"
-            return None, dict.fromkeys(LLAMA_FAMILIES, reason)
+            return None, dict.fromkeys((*LLAMA_FAMILIES, MODEL_PEER), reason)
         if self.args.model is not None:
-            reason = "llama-server runs only on the bundled model (F32, Q8_0 and Q4_1 GGUFs); drop --model"
-            return llama, dict.fromkeys(LLAMA_FAMILIES, reason)
+            path = Path(self.args.model)
+            return llama, {MODEL_PEER: path if servers.is_gguf(path) else f"llama-server needs a GGUF file, not {path}"}
         from conveyor.model.loader import default_model_path
 
         made = {"llama-server-f32": llama.f32_gguf, "llama-server-q8_0": llama.q8_0_gguf}
@@ -227,17 +232,34 @@ class Runner:
 
 
 def peer_family(args: argparse.Namespace) -> str:
-    """The llama-server family whose weights match conveyor's in this run (gguf: the bundled Q4_1 file)."""
+    """The llama-server family whose weights match conveyor's in this run (gguf: the bundled Q4_1 file;
+    with --model FILE.gguf: that file; an HF folder is compared as float32 weights, like the bundled model)."""
+    if args.model is not None and servers.is_gguf(Path(args.model)):
+        return MODEL_PEER
     return {"int8": "llama-server-q8_0", "gguf": "llama-server-q4_1"}.get(args.conveyor_quantization,
                                                                        "llama-server-f32")
 
 
-def selected_families(text: str) -> list[str]:
+def resolve_conveyor_options(args: argparse.Namespace) -> None:
+    """Unset --conveyor-dtype/--conveyor-quantization: float32 weights (the F32 peer's) on the bundled model
+    or an HF folder; with --model FILE.gguf, None: the flag is not passed and conveyor runs the file as
+    it would by default, as llama-server does."""
+    if args.model is None or not servers.is_gguf(Path(args.model)):
+        args.conveyor_dtype = args.conveyor_dtype or "float32"
+        args.conveyor_quantization = args.conveyor_quantization or "none"
+
+
+def selected_families(text: str, model: str | None = None) -> list[str]:
+    """The systems to run; with --model every llama-server family is llama-server-model (one file to serve)."""
     chosen: list[str] = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         for family in ALIASES.get(name, (name,)):
             if family not in FAMILIES:
                 raise SystemExit(f"unknown system {family!r}; known: {', '.join(FAMILIES)} (or all, hf, llama-server)")
+            if model is not None and family in LLAMA_FAMILIES:
+                family = MODEL_PEER
+            elif model is None and family == MODEL_PEER:
+                raise SystemExit(f"{MODEL_PEER} serves the --model GGUF file: give --model FILE")
             if family not in chosen:
                 chosen.append(family)
     return chosen
@@ -245,7 +267,8 @@ def selected_families(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    families = selected_families(args.systems)
+    families = selected_families(args.systems, args.model)
+    resolve_conveyor_options(args)
     runner = Runner(args, stamp)
     command = "python -m bench " + shlex.join(sys.argv[1:])
     document: dict = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -341,7 +364,8 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
     # The floor is float32 weights' (their bytes, torch's float32 matmul rate): it bounds nothing else.
     if "limits" in document and (args.conveyor_dtype, args.conveyor_quantization) != ("float32", "none"):
         document["limits"]["note"] = "floor of float32 weights; not compared with conveyor's " + \
-            (args.conveyor_quantization if args.conveyor_quantization != "none" else args.conveyor_dtype)
+            (args.conveyor_quantization if args.conveyor_quantization not in (None, "none")
+             else args.conveyor_dtype or "default weights")
     elif "limits" in document:
         lim = document["limits"]
         max_seqs = runner.max_num_seqs

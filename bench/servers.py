@@ -1,7 +1,9 @@
 """Server processes under test: `conveyor serve` and llama.cpp's `llama-server`, each on a free loopback port.
 
 `launched(cmd, ...)` starts one, waits for /health and always ends it (SIGTERM, then SIGKILL). Its
-log goes to a file next to the results, so a failed start can be diagnosed.
+log goes to a file next to the results, so a failed start can be diagnosed. It times the start
+(process start to /health answering 200) and, when asked, samples the resident memory of the
+server and all its children (conveyor's engine core is a child process) until it ends.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.client import wait_healthy
@@ -25,10 +29,64 @@ Q8_0_GGUF_NAME = "SmolLM2-135M-Instruct.Q8_0.gguf"   # both made by scripts/buil
 BUILD_HINT = "run scripts/build_llama_cpp.sh"
 
 
+def is_gguf(path: Path) -> bool:
+    """A file that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class PeakRss:
+    """Peak resident memory of a process tree: RSS summed over the process and all its descendants,
+    sampled on a thread every `interval_s` from `start()` until `stop()`. Pages shared between
+    processes (a file both map) count once per process, as RSS does."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.process_peak_bytes: dict[int, int] = {}   # pid -> its own peak RSS (the root and each child)
+        self.num_samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rss-{pid}", daemon=True)
+
+    def start(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+    def sample(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):   # a child may end between listing and reading
+                rss = proc.memory_info().rss
+                total += rss
+                self.process_peak_bytes[proc.pid] = max(self.process_peak_bytes.get(proc.pid, 0), rss)
+        return total
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.sample())
+            self.num_samples += 1
+            self._done.wait(self.interval_s)
 
 
 @dataclass
@@ -36,23 +94,31 @@ class Launched:
     base_url: str
     process: subprocess.Popen
     log_path: Path
+    startup_s: float = 0.0                    # process start -> /health answered 200
+    memory: PeakRss | None = field(default=None, repr=False)   # when launched(memory_interval_s=...)
 
 
 @contextlib.contextmanager
-def launched(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float = 180.0) -> Iterator[Launched]:
+def launched(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float = 180.0,
+             poll_s: float = 0.25, memory_interval_s: float | None = None) -> Iterator[Launched]:
+    """`poll_s`: how often /health is asked while starting (the resolution of `startup_s`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
+        start = time.perf_counter()
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
+        memory = PeakRss(process.pid, memory_interval_s).start() if memory_interval_s else None
         base_url = f"http://127.0.0.1:{port}"
         try:
             try:
-                wait_healthy(base_url, startup_timeout_s, is_alive=lambda: process.poll() is None)
+                wait_healthy(base_url, startup_timeout_s, is_alive=lambda: process.poll() is None, poll_s=poll_s)
             except (RuntimeError, TimeoutError) as exc:
                 tail = log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{exc}; command: {' '.join(cmd)}\n--- log tail ---\n{tail}") from exc
-            yield Launched(base_url, process, log_path)
+            yield Launched(base_url, process, log_path, time.perf_counter() - start, memory)
         finally:
+            if memory is not None:
+                memory.stop()
             _stop(process)
 
 
@@ -72,16 +138,18 @@ def _stop(process: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------- conveyor
 
 
-def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs: int,
-                     max_num_batched_tokens: int, kv_cache_memory: str, dtype: str = "float32",
-                     quantization: str = "none") -> list[str]:
+def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs: int | None = None,
+                     max_num_batched_tokens: int | None = None, kv_cache_memory: str | None = None,
+                     dtype: str | None = "float32", quantization: str | None = "none") -> list[str]:
+    """`conveyor serve` on a loopback port; an option given as None is left to conveyor's own default."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--threads", str(threads), "--dtype", dtype, "--quantization", quantization,
-           "--max-num-seqs", str(max_num_seqs),
-           "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-memory", kv_cache_memory,
-           "--log-level", "WARNING"]
-    if model is not None:
-        cmd += ["--model", model]
+           "--threads", str(threads), "--log-level", "WARNING"]
+    options = {"--dtype": dtype, "--quantization": quantization, "--max-num-seqs": max_num_seqs,
+               "--max-num-batched-tokens": max_num_batched_tokens, "--kv-cache-memory": kv_cache_memory,
+               "--model": model}
+    for flag, value in options.items():
+        if value is not None:
+            cmd += [flag, str(value)]
     return cmd
 
 

@@ -2,11 +2,14 @@
 
     python -m bench.single                      # float32, bfloat16, int8, Q8_0, Q4_1
     python -m bench.single --formats q4_1,q8_0 --requests 4 --output-tokens 128
+    python -m bench.single --model FILE.gguf    # any GGUF file: conveyor (its defaults) and llama-server on it
 
 Every format decodes the same token-id prompts (the offline workload's first requests) with the same
 threads. conveyor: tokens after the first / time after the first (request metrics). llama-server:
 1000 / mean TPOT from the streaming client. Peers run one at a time, never beside conveyor. Needs
 scripts/build_llama_cpp.sh (the F32 and Q8_0 files live in its directory; Q4_1 is the bundled file).
+With --model the formats give way to one row, "model": that file, run by conveyor with its default
+dtype and quantization (or --conveyor-dtype/--conveyor-quantization) and served by llama-server as is.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ FORMATS = {
 }
 
 
-def gguf_paths(peers_dir: Path) -> dict[str, Path]:
+def gguf_paths(peers_dir: Path, model: str | None = None) -> dict[str, Path]:
     from conveyor.model.loader import resolve_model_path
 
-    return {"f32": peers_dir / servers.F32_GGUF_NAME,
-            "q8_0": peers_dir / servers.Q8_0_GGUF_NAME,
-            "q4_1": resolve_model_path(None)}
+    files = {"f32": peers_dir / servers.F32_GGUF_NAME, "q8_0": peers_dir / servers.Q8_0_GGUF_NAME,
+             "q4_1": resolve_model_path(None)}
+    return {**files, "model": Path(model)} if model else files
 
 
 def conveyor_rate(options: dict, files: dict[str, Path], threads: int, requests) -> float:
@@ -71,6 +74,10 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.single", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--model", default=None, help="a GGUF file for both systems instead of the bundled model's formats")
+    p.add_argument("--conveyor-dtype", default=None, help="with --model: conveyor's --dtype (default: its own)")
+    p.add_argument("--conveyor-quantization", default=None,
+                   help="with --model: conveyor's --quantization, passed through (default: its own)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
@@ -78,14 +85,18 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     requests = offline_workload(args.requests, 100, 500, args.output_tokens, seed=0)
-    files = gguf_paths(args.peers_dir)
+    files = gguf_paths(args.peers_dir, args.model)
+    formats = dict(FORMATS)
+    if args.model:
+        options = {"dtype": args.conveyor_dtype, "quantization": args.conveyor_quantization, "model": "model"}
+        formats = {"model": ({k: v for k, v in options.items() if v is not None}, "model")}
     llama = servers.LlamaCpp.find(args.peers_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer_rates: dict[str, float] = {}
     rows = {}
-    for name in args.formats.split(","):
-        options, peer = FORMATS[name]
+    for name in formats if args.model else args.formats.split(","):
+        options, peer = formats[name]
         ours = conveyor_rate(options, files, args.threads, requests)
         if peer not in peer_rates and llama is not None and files[peer].is_file():
             peer_rates[peer] = llama_rate(llama, files[peer], args.threads, requests,
@@ -98,8 +109,8 @@ def main() -> None:
     out = args.out_dir / f"single-{stamp}.json"
     report.write_json(out, {"command": "python -m bench.single " + " ".join(sys.argv[1:]),
                             "machine": report.machine(), "versions": report.versions(llama.commit() if llama else None),
-                            "threads": args.threads, "requests": args.requests, "output_tokens": args.output_tokens,
-                            "results": rows})
+                            "model": args.model, "threads": args.threads, "requests": args.requests,
+                            "output_tokens": args.output_tokens, "results": rows})
     print(f"JSON: {out}")
 
 

@@ -150,3 +150,25 @@ def test_no_empty_plots(tmp_path: Path) -> None:
     assert plots({}, {}, tmp_path) == []
     offline = {"conveyor/64": {"output_tokens_per_s": 200.0, "concurrency": 64}}
     assert [Path(p).name for p in plots(offline, {"conveyor/64": {}}, tmp_path)] == ["throughput_vs_concurrency.png"]
+
+
+def test_model_file_is_the_llama_peer(tmp_path: Path) -> None:
+    """With --model FILE.gguf every llama family is llama-server on that file, and conveyor keeps its own
+    defaults; the bundled model and HF folders keep float32/none against the F32 peer."""
+    import argparse
+
+    from bench.run import MODEL_PEER, peer_family, resolve_conveyor_options, selected_families
+
+    gguf, folder = tmp_path / "m.gguf", tmp_path / "hf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    folder.mkdir()
+    assert selected_families("conveyor,llama-server", str(gguf)) == ["conveyor", MODEL_PEER]
+    assert MODEL_PEER not in selected_families("all")
+    with pytest.raises(SystemExit):
+        selected_families(MODEL_PEER)
+    for model, expected in ((str(gguf), (None, None)), (str(folder), ("float32", "none")), (None, ("float32", "none"))):
+        args = argparse.Namespace(model=model, conveyor_dtype=None, conveyor_quantization=None)
+        resolve_conveyor_options(args)
+        assert (args.conveyor_dtype, args.conveyor_quantization) == expected
+    assert peer_family(argparse.Namespace(model=str(gguf), conveyor_quantization=None)) == MODEL_PEER
+    assert peer_family(argparse.Namespace(model=str(folder), conveyor_quantization="none")) == "llama-server-f32"
