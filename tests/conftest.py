@@ -15,6 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--real-gguf", action="append", default=[], metavar="FILE",
+                     help="a real GGUF file (e.g. a Q4_K_M download) for the tests marked real_model; repeatable")
+
+
+@pytest.fixture
+def real_gguf(request: pytest.FixtureRequest) -> Path:
+    files = request.config.getoption("--real-gguf")
+    if not files:
+        pytest.skip("no --real-gguf FILE given (the real-file tier runs only on a file you have)")
+    return Path(files[0])
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHATML_TEMPLATE = (
