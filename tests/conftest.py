@@ -82,6 +82,11 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
         _COMMON, num_hidden_layers=2, tie_word_embeddings=True, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )),
+    # Qwen3: per-head q/k RMSNorm, and a head_dim (32) that is not hidden / heads (16).
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        _COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -188,6 +193,12 @@ def tiny_llama_untied(tiny_checkpoint_factory: Callable[[str], Path]) -> Path:
 def tiny_qwen2(tiny_checkpoint_factory: Callable[[str], Path]) -> Path:
     """Qwen2ForCausalLM, 2 layers, tied embeddings, nonzero q/k/v biases."""
     return tiny_checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_checkpoint_factory: Callable[[str], Path]) -> Path:
+    """Qwen3ForCausalLM, 2 layers, tied embeddings, q/k norms, head_dim 32 over hidden 64."""
+    return tiny_checkpoint_factory("qwen3")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""The Llama decoder family (Llama, Mistral, Qwen2), selected by config flags, run on packed batches."""
+"""The Llama decoder family (Llama, Mistral, Qwen2, Qwen3), selected by config flags, run on packed batches."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import (Embedding, GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
                                    linear_residual)
 from conveyor.model.quant import QuantLinear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ModelArch:
     mlp_bias: bool = False
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()   # per layer: does the sliding window apply
+    qk_norm: bool = False                   # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -65,6 +69,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +80,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                             # (T, (H + 2KV) * D)
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         # q and k are adjacent in qkv: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)   # (T, H + KV, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim),
+                            self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim)], dim=1)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)       # (T, H, D), (T, KV, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
@@ -97,6 +109,8 @@ class DecoderLayer(nn.Module):
     def fuse(self) -> bool:
         """Describe this layer to the one-call C kernel; False if a part of it cannot run there."""
         attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None:
+            return False   # the one-call layer has no per-head q/k norm: the per-op path runs it
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         quantized = [isinstance(m, QuantLinear) for m in linears]
         if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
@@ -121,7 +135,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head: nn.Module | None = (None if arch.tie_word_embeddings
                                           else Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        self.kernels: KernelLibrary | None = None   # set by use_kernels when every layer runs in C
+        self.kernels: KernelLibrary | None = None   # set by use_kernels: linears, norms, attention in C
+        self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -136,7 +151,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
         x = self.embed_tokens(input_ids)                                   # (T, hidden), a fresh tensor
         cos, sin = self.rotary.cos_sin(positions)                          # (T, D) float32 each
-        if self.kernels is not None and meta.kernel is not None:
+        if self.fused_layers and meta.kernel is not None:
             self._fused_layers(x, cos, sin, meta, kv_caches)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -171,8 +186,11 @@ class LlamaModel(nn.Module):
         if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding) and can_pack(self.embed_tokens.weight):
             # The embedding keeps its own table for lookups; the packed copy serves the logits.
             self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
-        if fuse and all([layer.fuse() for layer in self.layers]):
-            self.kernels = lib
+        self.kernels = lib   # the runner plans for the C attention kernel
+        self.fused_layers = fuse and all([layer.fuse() for layer in self.layers])
+        if fuse and not self.fused_layers:
+            logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover %s)",
+                        "per-head q/k norms" if self.arch.qk_norm else "every layer's parts")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

