@@ -87,6 +87,11 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
         _COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )),
+    # Phi-3 (Phi-4-mini's shape): q/k/v and gate/up fused in the checkpoint, RoPE on 3/4 of each head.
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    )),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

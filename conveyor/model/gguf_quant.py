@@ -49,9 +49,12 @@ class KeepPlan:
 def _layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
     groups: dict[str, list[str]] = {}
     for i in range(arch.num_layers):
-        groups[f"layers.{i}.self_attn.qkv_proj"] = [f"blk.{i}.attn_{p}.weight" for p in "qkv"]
+        fused_qkv, fused_gate_up = f"blk.{i}.attn_qkv.weight", f"blk.{i}.ffn_gate.weight" not in tensors
+        groups[f"layers.{i}.self_attn.qkv_proj"] = ([fused_qkv] if fused_qkv in tensors
+                                                    else [f"blk.{i}.attn_{p}.weight" for p in "qkv"])
         groups[f"layers.{i}.self_attn.o_proj"] = [f"blk.{i}.attn_output.weight"]
-        groups[f"layers.{i}.mlp.gate_up_proj"] = [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]
+        groups[f"layers.{i}.mlp.gate_up_proj"] = ([f"blk.{i}.ffn_up.weight"] if fused_gate_up
+                                                  else [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"])
         groups[f"layers.{i}.mlp.down_proj"] = [f"blk.{i}.ffn_down.weight"]
     groups["lm_head"] = ["output.weight" if "output.weight" in tensors else "token_embd.weight"]
     return groups

