@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -380,9 +381,16 @@ def serve(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ValueError(f"--replicas needs Ray Serve: pip install 'conveyor[ray]' ({exc})") from None
         return run_replicas(config, server, replicas)
+    began = time.perf_counter()
+    started = None
+    if server.core_process:
+        # The engine core starts now (Python, torch, the weights) while this process imports the server.
+        from conveyor.engine.core_process import ProcessCoreClient, core_config
+
+        started = ProcessCoreClient(core_config(config), logging.getLogger().getEffectiveLevel())
     from conveyor.server.serve import run_server
 
-    return run_server(config, server)
+    return run_server(config, server, started, began)
 
 
 def run_batch_command(args: argparse.Namespace) -> int:

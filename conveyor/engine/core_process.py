@@ -15,6 +15,7 @@ exits by itself when its front goes away (its pipe closes or its parent changes)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -27,15 +28,19 @@ from multiprocessing.connection import Connection
 
 from conveyor.cli import configure_logging   # a spawned process starts with no logging set up
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineCore
 from conveyor.engine.core_client import DeathHandler, OutputsHandler, run_busy_loop
 from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown
 from conveyor.errors import ModelLoadError
-from conveyor.runtime.tensor_parallel import WorkerLost
 
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 10.0   # for the core to leave its busy loop after SHUTDOWN (it finishes the step it is in)
+
+
+def core_config(config: EngineConfig) -> EngineConfig:
+    """The engine config a server's core runs: the waiting-queue bound is applied at the server's door
+    (429) rather than inside the scheduler, so a request that was admitted is never refused mid-stream."""
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_waiting_requests=None))
 
 
 def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -44,6 +49,11 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(logging.getLevelName(log_level), "WARNING")
     parent_pid = os.getppid()
+    # torch comes in here, in the core process only: the front can start this process before it
+    # imports anything heavy of its own, and the two import at once.
+    from conveyor.engine.core import EngineCore
+    from conveyor.runtime.tensor_parallel import WorkerLost
+
     try:
         core = EngineCore(config)
     except BaseException as exc:  # the front re-raises it, as if it had loaded the model itself

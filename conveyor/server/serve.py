@@ -12,7 +12,6 @@ restarted under live connections whose KV state is gone.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import socket
@@ -26,6 +25,7 @@ from fastapi import FastAPI
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
+from conveyor.engine.core_process import ProcessCoreClient, core_config
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
 from conveyor.model.loader import default_model_name, resolve_model_path
@@ -137,21 +137,19 @@ def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = N
                           startup_began_s)
 
 
-def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> tuple[CoreClient, Tokenizer, str]:
+def start_core(config: EngineConfig, server: ServerConfig = ServerConfig(),
+               started: ProcessCoreClient | None = None) -> tuple[CoreClient, Tokenizer, str]:
     """Load the model into a core (its own process with `server.core_process`, else a thread's) and
     return its client, the tokenizer and the served model name; the caller kills the client at the end.
-
-    The waiting-queue bound is applied at the door (429) rather than inside the scheduler, so a
-    request that was admitted is never refused mid-stream.
+    `started`: a core process already started with `core_config(config)` (`conveyor serve` starts it
+    before importing the server, so the two processes' imports overlap).
     """
-    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_waiting_requests=None))
+    config = core_config(config)
     if not server.core_process:
         engine = LLMEngine(config)
         return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
-    from conveyor.engine.core_process import ProcessCoreClient
-
     model_path = resolve_model_path(config.model.model)
-    client = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
+    client = started or ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
     try:
         tokenizer = load_tokenizer(model_path, config.model.chat_template)   # while the core loads the weights
         client.wait_ready()
@@ -161,10 +159,12 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig()) -> t
     return client, tokenizer, config.model.served_model_name or default_model_name(model_path)
 
 
-def run_server(config: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
-    """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown)."""
-    began = time.perf_counter()
-    client, tokenizer, model_name = start_core(config, server)
+def run_server(config: EngineConfig, server: ServerConfig = ServerConfig(),
+               started: ProcessCoreClient | None = None, began: float | None = None) -> int:
+    """Load the model and serve until SIGTERM or Ctrl-C; returns the exit code (0 after a clean shutdown).
+    `started`: see `start_core`; `began`: when start-up began (perf_counter), for the ready line."""
+    began = time.perf_counter() if began is None else began
+    client, tokenizer, model_name = start_core(config, server, started)
     try:
         return _run(build_server(client, tokenizer, model_name, server, began))
     finally:

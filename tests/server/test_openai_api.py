@@ -283,7 +283,8 @@ def test_periodic_stats_line(tiny_checkpoint, caplog: pytest.LogCaptureFixture) 
     server = start_server(tiny_checkpoint, max_num_seqs=2, server_options={"stats_log_interval_s": 0.05})
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        with caplog.at_level(logging.INFO, logger="conveyor.server.metrics"):
+        # Steps slowed to 5 ms: the line needs 50 ms of busy time, which 100 tiny-model tokens can undercut.
+        with caplog.at_level(logging.INFO, logger="conveyor.server.metrics"), slow_steps(server.engine, 0.005):
             client.completions.create(model=server.model_name, prompt="hello", max_tokens=100, **GREEDY)
         lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
         assert lines and "Running:" in lines[0] and "KV cache usage:" in lines[0]
