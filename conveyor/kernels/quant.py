@@ -43,7 +43,8 @@ class LinearSpec(ctypes.Structure):
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A (N, K) weight repacked for quant.c: `data` is uint8 (P, K/32, BLOCK_BYTES[fmt])."""
+    """A (N, K) weight repacked for the kernels: `data` is uint8 (P, K/32, BLOCK_BYTES[fmt]) for quant.c's
+    formats, the flat panels of kquant.c's layout for the others (kq_packed_bytes long)."""
 
     fmt: str
     n: int
