@@ -146,8 +146,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         chat_template=template if isinstance(template, str) else None,
         vocab_size=len(tokens),
     )
-    logger.info("GGUF tokenizer: %d tokens, %d merges, built in %.3f s (metadata read in %.3f s)",
-                len(tokens), len(merges), time.perf_counter() - started, read_s)
+    logger.debug("GGUF tokenizer: %d tokens, %d merges, built in %.3f s (metadata read in %.3f s)",
+                 len(tokens), len(merges), time.perf_counter() - started, read_s)
     return tokenizer
 
 
