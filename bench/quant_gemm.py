@@ -49,7 +49,7 @@ def main() -> None:
                    "q8_0": [quant.quantize_int8(w) for _ in range(copies)]}
         for name in ("q4_0", "q4_1"):
             blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, name.upper()))
-            formats[name] = [quant.from_gguf_blocks(name, blocks, n, k) for _ in range(copies)]
+            formats[name] = [quant.repack(lib, name, blocks, n, k) for _ in range(copies)]
         for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
             for m in map(int, args.rows.split(",")):

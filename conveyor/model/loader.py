@@ -94,7 +94,9 @@ def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dty
          dtype not in ("auto", "float32")),
         ("no C compiler to build the quantized kernels", kernel_library is None)) if applies]
     if reasons:
-        if quantization == "gguf" or path.is_file():
+        if quantization == "gguf":   # asked for by name: say it loudly
+            logger.warning("quantization gguf not applied, weights dequantized to float: %s", "; ".join(reasons))
+        elif path.is_file():
             logger.info("GGUF tensors dequantized to float: %s", "; ".join(reasons))
         return "none"
     return "gguf"
@@ -105,19 +107,13 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
                shard: Shard | None = None, comm: Collectives | None = None) -> LlamaModel:
     """Build the model for a resolved path and fill in its weights; with a kernel library, the
     linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py).
-    `quantization` is resolved by `resolve_quantization` ("auto" is resolved here when given).
+    `quantization` goes through `resolve_quantization` (a resolved value comes out unchanged).
     With a shard (and its rank's collectives), only that rank's slice of every tensor is kept."""
-    if quantization == "auto":
-        quantization = resolve_quantization(quantization, path, device, str(dtype).removeprefix("torch."),
-                                            kernel_library, 1 if shard is None else 2)
-    if shard is not None and quantization != "none":
+    if shard is not None and quantization not in ("none", "auto"):
         raise ModelLoadError("tensor parallelism runs float weights: drop the quantization option")
-    if quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "gguf" and not path.is_file():
-        raise ModelLoadError(f"quantization 'gguf' keeps a GGUF file's quantized tensors, but {path} is a "
-                             "folder: use 'int8' for float checkpoints")
-    if quantization != "none" and (kernel_library is None or dtype != torch.float32):
+    quantization = resolve_quantization(quantization, path, device, str(dtype).removeprefix("torch."),
+                                        kernel_library, 1 if shard is None else 2)
+    if quantization == "int8" and (kernel_library is None or dtype != torch.float32):
         logger.warning("quantization %s needs the C kernels and float32 activations; loading float weights",
                        quantization)
         quantization = "none"
@@ -369,11 +365,11 @@ def _open_gguf(path: Path, keep: bool = False
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
-    row_orders = {}
+    row_orders = {}   # q/k weights and biases: the file row of each of our rows
     if name == "llama":   # llama.cpp's converter interleaved these rows; we rotate halves
         for t in reader.tensors:
             parts = t.name.split(".")
-            if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and parts[3] == "weight":
+            if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
                 heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
                 row_orders[t.name] = _unpermute_rope_rows(np.arange(int(t.shape[-1])), heads)
     plan = gguf_quant.plan_kept(reader, arch, row_orders) if keep else None
@@ -396,8 +392,8 @@ def _open_gguf(path: Path, keep: bool = False
             else:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
             w = gguf.quants.dequantize(t.data, t.tensor_type)
-            if name == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-                w = _unpermute_rope_rows(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
+            if t.name in row_orders:
+                w = w[row_orders[t.name]]
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
     return arch, weights(), freq_factors, plan

@@ -28,13 +28,6 @@ from conveyor.kernels.quant import QuantWeight
 logger = logging.getLogger(__name__)
 
 
-# Our fused linear -> the Hugging Face names of its parts, in row order.
-FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
 class QuantLinear(nn.Module):
     """y = x @ W.T (+ bias) with W kept quantized, as segments along N each in its own format; float32
     in and out. The activations are quantized once for all segments (kernels/kquant.c)."""
