@@ -21,10 +21,7 @@ def model_arch(model: str | None):  # -> conveyor.model.llama.ModelArch
     """The model's shapes without loading its weights."""
     from conveyor.model import loader
 
-    path = loader.resolve_model_path(model)
-    if path.is_file():
-        return loader._open_gguf_arch(loader._gguf_reader(path))[0]   # noqa: SLF001 - shapes only
-    return loader._arch_from_hf_config(loader._read_hf_config(path))  # noqa: SLF001
+    return loader.read_arch(loader.resolve_model_path(model))
 
 
 def weight_shapes(arch) -> tuple[list[tuple[int, int]], tuple[int, int]]:  # noqa: ANN001

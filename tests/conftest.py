@@ -92,6 +92,21 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
         _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
     )),
+    # Gemma 3: sliding (window 8) and global layers with their own RoPE bases, linear scaling on the
+    # global ones only, norms after attention and MLP, GELU, q/k norms, embeddings scaled by sqrt(hidden).
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        _COMMON, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+    )),
+    # q.k scaled by a query_pre_attn_scalar that is not head_dim (Gemma 3 27B), another local base.
+    "gemma3_scaled": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        _COMMON, num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=40, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}},
+    )),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(
         _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -97,20 +97,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused in one matmul: SwiGLU (silu), GeGLU (gelu_tanh)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""
+        """down(act(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear_residual(self.down_proj, F.silu(gate) * up, residual)
+        return linear_residual(self.down_proj, self.act(gate) * up, residual)
 
 
 def linear_residual(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

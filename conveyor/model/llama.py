@@ -45,6 +45,10 @@ class ModelArch:
     sliding_layers: tuple[bool, ...] = ()   # per layer: does the sliding window apply
     qk_norm: bool = False                   # RMSNorm over each head of q and k before RoPE (Qwen3)
     rotary_dim: int | None = None           # leading dims of each head that RoPE turns; None: all (Phi-4-mini: 3/4)
+    family: str = "llama"                   # "gemma3": its own decoder layer (model/gemma3.py)
+    attn_scale: float | None = None         # multiplier of q.k; None: head_dim ** -0.5
+    rope_local_theta: float | None = None   # RoPE base of the sliding-window layers, where it differs (Gemma 3)
+    hidden_act: str = "silu"                # the gated MLP's activation: silu or gelu_tanh
 
     @property
     def rope_dim(self) -> int:
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = arch.attn_scale if arch.attn_scale is not None else self.head_dim ** -0.5
         is_sliding = bool(arch.sliding_layers and arch.sliding_layers[layer_index])
         self.window = arch.sliding_window if is_sliding else None
         self.rope_dim = arch.rope_dim
@@ -107,7 +111,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act)
         self.fused: decoder_kernel.LayerParams | None = None   # the whole layer in one C call, when set
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -140,7 +144,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head: nn.Module | None = (None if arch.tie_word_embeddings
                                           else Linear(arch.hidden_size, arch.vocab_size, bias=False))
@@ -148,6 +152,9 @@ class LlamaModel(nn.Module):
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
+
+    def make_layer(self, arch: ModelArch, index: int) -> nn.Module:
+        return DecoderLayer(arch, index)
 
     @property
     def vocab_size(self) -> int:

@@ -22,7 +22,7 @@ from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
-MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "phi3", "mistral")
+MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "phi3", "mistral", "gemma3", "gemma3_scaled")
 # The torch ops, and the C kernels (packed matmuls, each decoder layer as one C call, paged attention).
 PATHS = ("torch", "kernels") if kernels.library() is not None else ("torch",)
 BLOCK_SIZE = 16
@@ -123,8 +123,8 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
     """The tiny checkpoints exercise what they are meant to, so the parity tests below are not vacuous."""
     name, ours, hf = models
     arch = ours.arch
-    assert arch.tie_word_embeddings == (name in ("llama", "qwen2", "qwen3"))
-    assert arch.qk_norm == (name == "qwen3")
+    assert arch.tie_word_embeddings == (name in ("llama", "qwen2", "qwen3", "gemma3"))
+    assert arch.qk_norm == (name in ("qwen3", "gemma3", "gemma3_scaled"))
     assert arch.rope_dim == (12 if name == "phi3" else arch.head_dim)
     if name == "qwen3":   # a head_dim that is not hidden / heads, and norms that are not all ones
         assert arch.head_dim == 32 != arch.hidden_size // arch.num_heads
@@ -136,6 +136,19 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
         assert arch.qkv_bias and bias is not None and bias.abs().min() > 0
     if name == "mistral":
         assert arch.sliding_window == 8 and all(arch.sliding_layers)
+    elif name.startswith("gemma3"):
+        text = hf.config
+        assert arch.sliding_layers == tuple(t == "sliding_attention" for t in text.layer_types)
+        assert arch.sliding_window == text.sliding_window and any(arch.sliding_layers) and not all(arch.sliding_layers)
+        assert ours.layers[0].self_attn.scale == text.query_pre_attn_scalar ** -0.5
+        rope = hf.model.rotary_emb
+        torch.testing.assert_close(ours.rotary_local.inv_freq, rope.sliding_attention_inv_freq.float())
+        torch.testing.assert_close(ours.rotary.inv_freq, rope.full_attention_inv_freq.float())
+        assert not torch.equal(ours.rotary.inv_freq, ours.rotary_local.inv_freq)
+        # Norms are held as multipliers: transformers' stored weight + 1.
+        torch.testing.assert_close(ours.layers[1].post_feedforward_layernorm.weight,
+                                   hf.model.layers[1].post_feedforward_layernorm.weight + 1)
+        return
     else:
         assert arch.sliding_window is None and not any(arch.sliding_layers)
     if name == "llama_untied":
