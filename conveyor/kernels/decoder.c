@@ -1,8 +1,11 @@
-/* One decoder layer of the Llama family in one call, from the kernels of gemm.c, layer.c, attention.c:
+/* One decoder layer of the Llama family (or Gemma 3's) in one call, from the kernels of gemm.c,
+ * layer.c, attention.c:
  *
- *   h = rmsnorm(x) -> qkv = h Wqkv (+b) -> rope q, k; k, v into the cache -> a = attention(q)
- *   x += a Wo (+b) -> h = rmsnorm(x) -> g = h Wgu (+b) -> m = silu(g) * u -> x += m Wd (+b)
+ *   h = rmsnorm(x) -> qkv = h Wqkv (+b) -> [rmsnorm each q, k head] -> rope q, k; k, v into the cache
+ *   -> a = attention(q) -> x += [rmsnorm](a Wo (+b)) -> h = rmsnorm(x) -> g = h Wgu (+b)
+ *   -> m = act(g) * u -> x += [rmsnorm](m Wd (+b))
  *
+ * The bracketed norms are Gemma 3's (present when their weights are); act is silu or gelu (tanh).
  * The residual stream x [T, hidden] is updated in place. The same arithmetic as calling each kernel
  * from Python, without a Python round trip per operation (which costs more than a decode step's
  * elementwise work). Weights are packed panels (gemm.c) or quantized blocks (quant.c); activations
@@ -17,10 +20,11 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t 
 void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
              int is_bf16, int64_t num_threads);
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs, int is_bf16,
+               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
+               const void *q_norm, const void *k_norm, float eps, int is_bf16, int64_t num_threads);
+void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
                int64_t num_threads);
-void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
-              int64_t num_threads);
+void add_rows(void *x, const void *y, int64_t n, int is_bf16);
 struct kq_linear;   /* kquant.c's description of a quantized linear layer (its segments and biases) */
 int kq_linear(const float *x, int64_t ldx, const struct kq_linear *L, float *y, int64_t ldy, int64_t M,
               int64_t num_threads);
@@ -31,12 +35,16 @@ int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void 
 
 /* Per-layer constants, set once at load. Pointers: weights, optional biases (NULL: none). A weight is
  * a packed float panel set (gemm.c) when its format is -1, else a kquant.c linear layer (its own
- * segments and biases; float32 activations only), for qkv, o, gate_up, down in that order. */
+ * segments and biases; float32 activations only), for qkv, o, gate_up, down in that order. The
+ * q/k head norms and the norms after attention and MLP are NULL where the model has none; act: 0 silu,
+ * 1 gelu (tanh); local_rope: 1 where the layer turns with the step's second RoPE table. */
 typedef struct {
     const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
     float eps, scale;
     int64_t format[4];
+    const void *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
+    int64_t act, local_rope;
 } layer_t;
 
 /* Per-step inputs shared by every layer: RoPE tables, cache slots and the attention plan. */
@@ -46,6 +54,7 @@ typedef struct {
     const int64_t *slots, *tables, *rows, *ctx_lens, *tokens, *tile_start;
     int64_t max_blocks, tiles, block_size, num_threads;
     int is_bf16;
+    const float *cos_local, *sin_local;   /* the second RoPE table (Gemma 3's sliding layers), or NULL */
 } step_t;
 
 /* y = x W^T (+ bias) (+ res). A quantized weight has no residual epilogue: its product goes to tmp
@@ -66,24 +75,38 @@ static int linear(const step_t *s, int64_t format, const void *x, int64_t ldx, c
     return gemm_f32(x, ldx, w, bias, res, N, y, N, s->T, N, K, s->num_threads);
 }
 
+/* out = [rmsnorm](a W (+b)), then x += out: the residual after a norm (Gemma 3), or in the matmul's
+ * epilogue where there is none. */
+static int project_residual(const step_t *s, const layer_t *l, int64_t format, const void *a, int64_t lda,
+                            const void *w, const void *bias, const void *norm, void *x, int64_t K, char *tmp) {
+    const int64_t hidden = l->hidden;
+    if (!norm) return linear(s, format, a, lda, w, bias, x, x, hidden, K, (float *)tmp);
+    const int status = linear(s, format, a, lda, w, bias, 0, tmp, hidden, K, 0);
+    rmsnorm(tmp, hidden, norm, tmp, hidden, s->T, hidden, l->eps, s->is_bf16, s->num_threads);
+    add_rows(x, tmp, s->T * hidden, s->is_bf16);
+    return status;
+}
+
 /* scratch: T * (hidden + qkv width + q width + 2 * intermediate + intermediate) elements of the dtype. */
 int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, void *v_cache, void *scratch) {
     const int64_t T = s->T, E = s->is_bf16 ? 2 : 4, hidden = l->hidden, D = l->head_dim;
     const int64_t q_width = l->heads * D, qkv_width = (l->heads + 2 * l->kv_heads) * D, I = l->intermediate;
     char *h = scratch, *qkv = h + T * hidden * E, *attn = qkv + T * qkv_width * E;
     char *gate_up = attn + T * q_width * E, *act = gate_up + T * 2 * I * E;
+    const float *cos = l->local_rope ? s->cos_local : s->cos, *sin = l->local_rope ? s->sin_local : s->sin;
+    if (!cos || !sin) return -1;
     int status = 0;
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
-    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, s->cos, s->sin, s->slots, k_cache, v_cache,
-                         s->block_size, s->is_bf16, s->num_threads);
+    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, cos, sin, s->slots, k_cache, v_cache,
+                         s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
                               l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16);
-    status |= linear(s, l->format[1], attn, q_width, l->o, l->o_bias, x, x, hidden, q_width, (float *)h);
+    status |= project_residual(s, l, l->format[1], attn, q_width, l->o, l->o_bias, l->post_attn_norm, x, q_width, h);
     rmsnorm(x, hidden, l->ln2, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[2], h, hidden, l->gate_up, l->gate_up_bias, 0, gate_up, 2 * I, hidden, 0);
-    silu_mul(gate_up, 2 * I, act, I, T, I, s->is_bf16, s->num_threads);
-    status |= linear(s, l->format[3], act, I, l->down, l->down_bias, x, x, hidden, I, (float *)h);
+    gated_act(gate_up, 2 * I, act, I, T, I, l->act, s->is_bf16, s->num_threads);
+    status |= project_residual(s, l, l->format[3], act, I, l->down, l->down_bias, l->post_mlp_norm, x, I, h);
     return status ? -1 : 0;
 }

@@ -17,14 +17,18 @@ class LayerParams(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up",
                                         "gate_up_bias", "down", "down_bias")] + \
                [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
-               [("eps", _F32), ("scale", _F32), ("format", _I64 * 4)]
+               [("eps", _F32), ("scale", _F32), ("format", _I64 * 4)] + \
+               [(name, _P) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")] + \
+               [("act", _I64), ("local_rope", _I64)]
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class StepParams(ctypes.Structure):
     _fields_ = [("T", _I64), ("cos", _P), ("sin", _P)] + \
                [(name, _P) for name in ("slots", "tables", "rows", "ctx_lens", "tokens", "tile_start")] + \
                [(name, _I64) for name in ("max_blocks", "tiles", "block_size", "num_threads")] + \
-               [("is_bf16", ctypes.c_int)]
+               [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -45,13 +49,18 @@ def _weight(linear) -> tuple[int, int]:
 
 
 def layer_params(ln1: torch.Tensor, qkv, o, ln2: torch.Tensor, gate_up, down, *, eps: float, heads: int,
-                 kv_heads: int, head_dim: int, window: int | None, scale: float) -> LayerParams:
-    """From a layer's norm weights and its linears (PackedLinear or QuantLinear: .bias, shapes)."""
+                 kv_heads: int, head_dim: int, window: int | None, scale: float, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, post_attn_norm: torch.Tensor | None = None,
+                 post_mlp_norm: torch.Tensor | None = None, activation: str = "silu",
+                 local_rope: bool = False) -> LayerParams:
+    """From a layer's norm weights and its linears (PackedLinear or QuantLinear: .bias, shapes). The
+    keyword norms are Gemma 3's; local_rope: the layer turns with the step's second RoPE table."""
     (w_qkv, f_qkv), (w_o, f_o), (w_gu, f_gu), (w_down, f_down) = map(_weight, (qkv, o, gate_up, down))
     return LayerParams(
         _ptr(ln1), w_qkv, _ptr(qkv.bias), w_o, _ptr(o.bias), _ptr(ln2), w_gu, _ptr(gate_up.bias), w_down,
         _ptr(down.bias), o.out_features, heads, kv_heads, head_dim, down.in_features, window or 0, eps, scale,
-        (_I64 * 4)(f_qkv, f_o, f_gu, f_down))
+        (_I64 * 4)(f_qkv, f_o, f_gu, f_down), _ptr(q_norm), _ptr(k_norm), _ptr(post_attn_norm),
+        _ptr(post_mlp_norm), ACTIVATIONS[activation], int(local_rope))
 
 
 def scratch_elements(params: LayerParams, num_tokens: int) -> int:
@@ -60,12 +69,13 @@ def scratch_elements(params: LayerParams, num_tokens: int) -> int:
 
 
 def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, plan,
-                block_size: int, is_bf16: bool) -> StepParams:
-    """plan: the attention metadata's KernelPlan. The tensors must outlive the calls."""
+                block_size: int, is_bf16: bool, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepParams:
+    """plan: the attention metadata's KernelPlan; local: the second RoPE table (cos, sin), if the model
+    has one. The tensors must outlive the calls."""
     return StepParams(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.block_tables.data_ptr(),
                       plan.rows.data_ptr(), plan.context_lens.data_ptr(), plan.tokens.data_ptr(),
                       plan.tile_start.data_ptr(), plan.block_tables.shape[1], plan.tile_start.shape[0] - 1,
-                      block_size, threads.num_threads(), is_bf16)
+                      block_size, threads.num_threads(), is_bf16, *(_ptr(t) for t in (local or (None, None))))
 
 
 def run_layer(lib: KernelLibrary, x: torch.Tensor, layer: LayerParams, step: StepParams, k_cache: torch.Tensor,

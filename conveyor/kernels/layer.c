@@ -1,9 +1,11 @@
 /* The elementwise parts of a decoder layer, each one pass over memory instead of a chain of torch ops.
  *
  * rmsnorm:     y = w * x / sqrt(mean(x^2) + eps), row by row.
- * silu_mul:    the gated activation of a SwiGLU MLP.
- * rope_cache:  rotate the q and k heads of a packed qkv buffer in place (rotate-half RoPE) and write
- *              each token's k and v heads into the paged cache at its slot.
+ * gated_act:   the gated activation of a SwiGLU (silu) or GeGLU (gelu, tanh form) MLP.
+ * rope_cache:  rotate the q and k heads of a packed qkv buffer in place (rotate-half RoPE), after an
+ *              RMSNorm of each head where the model has one, and write each token's k and v heads
+ *              into the paged cache at its slot.
+ * add_rows:    x += y, for a residual added after a norm.
  * Activations are float32 or bfloat16 (is_bf16); bfloat16 is widened on load and rounded to nearest
  * even on store, with every step in float32 between. Each row is computed alone, so results never
  * depend on the batch.
@@ -83,14 +85,17 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
 }
 
 /* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. cos, sin: [T, D] float32, sin signed
- * so that rotate_half(x) * sin == roll(x, D/2) * sin. Caches in the activations' dtype, slot = block * bs
- * + offset: keys [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values
- * [blocks, bs, Hkv, D]. */
+ * so that rotate_half(x) * sin == roll(x, D/2) * sin. q_norm, k_norm: per-head RMSNorm weights applied
+ * before the rotation (NULL: none; Gemma's order: normalise and scale in float32, round once). Caches in
+ * the activations' dtype, slot = block * bs + offset: keys [blocks, Hkv, D, bs] (transposed, as the
+ * attention kernel reads them), values [blocks, bs, Hkv, D]. */
 typedef struct {
     void *qkv, *k_cache, *v_cache;
     const float *cos, *sin;
     const int64_t *slots;
+    const void *q_norm, *k_norm;
     int64_t ld, Hq, Hkv, D, bs;
+    float eps;
     int is_bf16;
 } rope_job;
 
@@ -106,6 +111,15 @@ static void rope_item(void *arg, int64_t t) {
         float x[MAX_D];
         const int64_t base = row + h * D;
         for (int64_t d = 0; d < D; d++) x[d] = load(qkv, base + d, is_bf16);
+        const void *norm = h < Hq ? j->q_norm : j->k_norm;
+        if (norm) {
+            float sum = 0.f;
+            for (int64_t d = 0; d < D; d++) sum += x[d] * x[d];
+            const float r = 1.f / sqrtf(sum / (float)D + j->eps);
+            for (int64_t d = 0; d < D; d++) x[d] = x[d] * r * load(norm, d, is_bf16);
+            if (is_bf16)
+                for (int64_t d = 0; d < D; d++) x[d] = round_bf16(x[d]);
+        }
         for (int64_t d = 0; d < D; d++) {
             const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
             store(qkv, base + d, rotated, is_bf16);
@@ -121,13 +135,23 @@ static void rope_item(void *arg, int64_t t) {
 }
 
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs, int is_bf16,
-               int64_t num_threads) {
+               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
+               const void *q_norm, const void *k_norm, float eps, int is_bf16, int64_t num_threads) {
     if (D > MAX_D || D % 2) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
-    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, ld, Hq, Hkv, D, bs, is_bf16};
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, bs, eps, is_bf16};
     pool_for(T, rope_item, &job, num_threads);
     return 0;
+}
+
+void add_rows(void *x, const void *y, int64_t n, int is_bf16) {
+    if (!is_bf16) {
+        float *a = x;
+        const float *b = y;
+        for (int64_t i = 0; i < n; i++) a[i] += b[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) store(x, i, load(x, i, 1) + load(y, i, 1), 1);
 }
 
 /* e^x in plain arithmetic (no libm call, so the loops over it vectorise): 2^n * e^r with |r| <= ln2/2
@@ -149,33 +173,42 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-/* SwiGLU's middle: y[m, i] = silu(x[m, i]) * x[m, I + i] over a fused gate/up product. In bfloat16 the
- * silu is rounded before the product, as two separate bf16 ops would round. */
+/* The gated MLP's middle: y[m, i] = act(x[m, i]) * x[m, I + i] over a fused gate/up product, act silu
+ * (act 0) or gelu in its tanh form (act 1): gelu_tanh(g) = g * (1 + tanh(u)) / 2 = g * sigmoid(2u),
+ * u = sqrt(2/pi) (g + 0.044715 g^3), so both are g / (1 + e^-z). In bfloat16 the activation is rounded
+ * before the product, as two separate bf16 ops would round. */
 typedef struct {
     const void *x;
     void *y;
-    int64_t ldx, ldy, I;
+    int64_t ldx, ldy, I, act;
     int is_bf16;
-} silu_job;
+} gated_job;
 
-static void silu_item(void *arg, int64_t m) {
-    const silu_job *j = arg;
-    const int64_t xr = m * j->ldx, yr = m * j->ldy, I = j->I;
+static inline float gate_arg(float g, int64_t act) {   /* z of g / (1 + e^-z) */
+    return act ? 1.5957691216f * (g + 0.044715f * g * g * g) : g;
+}
+
+static void gated_item(void *arg, int64_t m) {
+    const gated_job *j = arg;
+    const int64_t xr = m * j->ldx, yr = m * j->ldy, I = j->I, act = j->act;
     if (!j->is_bf16) {
         const float *gate = (const float *)j->x + xr, *up = gate + I;
         float *out = (float *)j->y + yr;
-        for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+        if (act)
+            for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.f + exp_approx(-gate_arg(gate[i], 1))) * up[i];
+        else
+            for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
         return;
     }
     for (int64_t i = 0; i < I; i++) {
         const float g = load(j->x, xr + i, 1), u = load(j->x, xr + I + i, 1);
-        store(j->y, yr + i, round_bf16(g / (1.f + exp_approx(-g))) * u, 1);
+        store(j->y, yr + i, round_bf16(g / (1.f + exp_approx(-gate_arg(g, act)))) * u, 1);
     }
 }
 
-void silu_mul(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int is_bf16,
-              int64_t num_threads) {
+void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
+               int64_t num_threads) {
     if (M * I < 65536) num_threads = 1;
-    silu_job job = {x, y, ldx, ldy, I, is_bf16};
-    pool_for(M, silu_item, &job, num_threads);
+    gated_job job = {x, y, ldx, ldy, I, act, is_bf16};
+    pool_for(M, gated_item, &job, num_threads);
 }

@@ -9,17 +9,15 @@ them, the multiplier itself (Hugging Face stores multiplier - 1: the loader adds
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import nn
 
-from conveyor.kernels import KernelLibrary
+from conveyor.kernels import decoder as decoder_kernel
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from conveyor.model.llama import Attention, LlamaModel, ModelArch
+from conveyor.model.llama import Attention, LlamaModel, ModelArch, fused_params
 
-logger = logging.getLogger(__name__)
 
 
 class Gemma3RMSNorm(RMSNorm):
@@ -45,6 +43,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Gemma3RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, arch.intermediate_size, arch.mlp_bias, arch.hidden_act)
         self.post_feedforward_layernorm = Gemma3RMSNorm(hidden, eps)
+        self.fused: decoder_kernel.LayerParams | None = None   # the whole layer in one C call, when set
 
     @property
     def is_sliding(self) -> bool:
@@ -58,7 +57,14 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
     def fuse(self) -> bool:
-        return False   # the one-call C layer is Llama's: no norms after attention and MLP, no GELU
+        """Describe this layer to the one-call C kernel (see DecoderLayer.fuse)."""
+        params = fused_params(self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm, self.mlp)
+        if params is None:
+            return False
+        self.fused = decoder_kernel.layer_params(
+            *params[0], **params[1], post_attn_norm=self.post_attention_layernorm.weight,
+            post_mlp_norm=self.post_feedforward_layernorm.weight, local_rope=self.is_sliding)
+        return True
 
 
 class Gemma3Model(LlamaModel):
@@ -78,14 +84,13 @@ class Gemma3Model(LlamaModel):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)   # rounded to the model's dtype, as transformers
         tables = {False: self.rotary.cos_sin(positions), True: self.rotary_local.cos_sin(positions)}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            cos, sin = tables[layer.is_sliding]
-            x = layer(x, cos, sin, kv_cache, meta)
+        if self.fused_layers and meta.kernel is not None:
+            self._fused_layers(x, *tables[False], meta, kv_caches, local=tables[True])
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                cos, sin = tables[layer.is_sliding]
+                x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[logits_indices])
         logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
         return logits.float()
 
-    def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
-        super().use_kernels(lib, fuse=False)
-        if self.kernels is not None:
-            logger.info("Gemma 3 decoder layers run op by op on the C kernels (the one-call layer is Llama's)")

@@ -122,19 +122,28 @@ class DecoderLayer(nn.Module):
     def fuse(self) -> bool:
         """Describe this layer to the one-call C kernel; False if a part of it cannot run there."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is not None or attn.rope_dim != attn.head_dim:
-            return False   # the one-call layer has no per-head q/k norm nor partial RoPE: the per-op path runs them
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        quantized = [isinstance(m, QuantLinear) for m in linears]
-        if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
+        params = fused_params(self.input_layernorm, attn, self.post_attention_layernorm, mlp)
+        if params is None:
             return False
-        if any(quantized) and self.input_layernorm.weight.dtype != torch.float32:
-            return False   # the quantized matmul takes float32 activations
-        self.fused = decoder_kernel.layer_params(
-            self.input_layernorm.weight, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm.weight,
-            mlp.gate_up_proj, mlp.down_proj, eps=self.input_layernorm.eps, heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, window=attn.window, scale=attn.scale)
+        self.fused = decoder_kernel.layer_params(*params[0], **params[1])
         return True
+
+
+def fused_params(ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: GatedMLP) -> tuple[tuple, dict] | None:
+    """layer_params' arguments for a layer's shared parts, or None where the one-call layer cannot run it
+    (partial RoPE; a linear neither packed nor quantized; quantized weights with bfloat16 activations)."""
+    if attn.rope_dim != attn.head_dim:
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    quantized = [isinstance(m, QuantLinear) for m in linears]
+    if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
+        return None
+    if any(quantized) and ln1.weight.dtype != torch.float32:
+        return None   # the quantized matmul takes float32 activations
+    norms = {} if attn.q_norm is None else {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+    return ((ln1.weight, attn.qkv_proj, attn.o_proj, ln2.weight, mlp.gate_up_proj, mlp.down_proj),
+            dict(eps=ln1.eps, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                 window=attn.window, scale=attn.scale, activation=mlp.activation, **norms))
 
 
 class LlamaModel(nn.Module):
@@ -177,13 +186,14 @@ class LlamaModel(nn.Module):
         return logits.float()                                              # (S, V)
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every layer as one C call, updating x in place."""
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      local: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Every layer as one C call, updating x in place; `local`: a second RoPE table (cos, sin)."""
         num_tokens = x.shape[0]
         first = self.layers[0].fused
         scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
-                                          kv_caches[0][1].shape[1], x.dtype == torch.bfloat16)
+                                          kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             decoder_kernel.run_layer(self.kernels, x, layer.fused, step, k_cache, v_cache, scratch)
 
@@ -206,8 +216,7 @@ class LlamaModel(nn.Module):
         self.fused_layers = fuse and all([layer.fuse() for layer in self.layers])
         if fuse and not self.fused_layers:
             logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover %s)",
-                        "per-head q/k norms" if self.arch.qk_norm else "partial RoPE"
-                        if self.arch.rope_dim != self.arch.head_dim else "every layer's parts")
+                        "partial RoPE" if self.arch.rope_dim != self.arch.head_dim else "every layer's parts")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
