@@ -381,6 +381,6 @@ def test_gguf_unknown_pre_falls_back_with_warning(
     assert g.decode(g.encode(MULTIBYTE)) == MULTIBYTE
 
 
-def test_gguf_sentencepiece_is_rejected(tmp_path: Path, backend: BackendTokenizer) -> None:
-    with pytest.raises(ValueError, match=r"'llama'.*'gpt2'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="llama"))
+def test_gguf_unknown_model_is_refused_by_name(tmp_path: Path, backend: BackendTokenizer) -> None:
+    with pytest.raises(ValueError, match=r"model 't5' is not supported; supported: 'gpt2' .*'llama'"):
+        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="t5"))
