@@ -1,11 +1,12 @@
 """GGUF vocabulary -> `Tokenizer`: llama.cpp's tokenizer metadata rebuilt as a `tokenizers` backend.
 
 `tokenizer.ggml.model` names the kind, as in llama.cpp:
-- `gpt2`: byte-level BPE with the file's merges, split first as `tokenizer.ggml.pre` says (after
-  llama.cpp's own table).
+- `gpt2`: byte-level BPE with the file's merges, split first as `tokenizer.ggml.pre` says (the
+  table below is llama.cpp's, for the splits written here).
 - `llama`: SentencePiece BPE with scores and byte fallback (Llama 2, Mistral 7B, Phi-3, Gemma); see
   gguf_spm.py. llama.cpp reads no pre-tokenizer for these.
-Any other model is refused by name.
+Any other model, and a `tokenizer.ggml.pre` not in the table, is refused by name: a guessed split
+gives plausible ids that differ from the ones the model was trained on, and nothing later notices.
 """
 
 from __future__ import annotations
@@ -47,34 +48,76 @@ _TOKENIZER_KEYS = (
 )
 _MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
 
-# Split patterns in `tokenizers` (Oniguruma) syntax; llama.cpp keeps these originals as comments
-# next to its hand-expanded versions in llama-vocab.cpp.
+# Split patterns in `tokenizers` (Oniguruma) syntax: the tokenizer.json originals, which llama.cpp
+# keeps as comments next to its hand-expanded versions in llama-vocab.cpp.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Upper-then-lower letter runs, so "camelCase" splits in two (o200k, Tekken).
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",   # CJK ideographs, hiragana, katakana
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# llama.cpp's fallback for "default" (and for files without tokenizer.ggml.pre): punctuation runs,
+# then the GPT-2 split, then numbers, then three-digit groups.
+_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+# Pre-tokenizer kind -> the regexes applied one after the other (each keeps what it matched and what it
+# did not), as llama.cpp's unicode_regex_split. "gpt2" and "digits" are built in (_make_pre_tokenizer).
+_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": _DEFAULT_SPLITS,
+    "llama3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "qwen35": (_QWEN35_SPLIT,),
+    "tekken": (_TEKKEN_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,),
+    "deepseek-v3": _DEEPSEEK3_SPLITS,
+}
 
-# tokenizer.ggml.pre -> (pre-tokenizer kind, ignore_merges, add_bos default), after llama.cpp's table.
+# tokenizer.ggml.pre -> (pre-tokenizer kind, ignore_merges, add_bos default), llama.cpp's table for the
+# kinds above.
 _GGUF_PRE: dict[str, tuple[str, bool, bool]] = {
+    "default": ("default", False, False),
     **{name: ("gpt2", False, False) for name in (
-        "default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "jina-es", "jina-de", "jina-v2-es",
-        "jina-v2-de", "jina-v1-en", "jina-v2-code", "roberta-bpe", "gigachat", "exaone4", "trillion",
+        "gpt-2", "phi-2", "mpt", "olmo", "jais", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
+        "jina-v1-en", "jina-v2-code", "roberta-bpe", "modern-bert", "gigachat", "exaone4", "trillion",
         "granite-docling", "a.x-4.0", "mellum",
     )},
     **{name: ("digits", False, False) for name in (
-        "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
+        "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2",
     )},
     **{name: ("llama3", True, True) for name in (
-        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
     )},
     **{name: ("llama3", False, False) for name in ("dbrx", "smaug-bpe", "chatglm-bpe", "glm4")},
     **{name: ("qwen2", False, False) for name in (
-        "qwen2", "qwen2.5", "qwen-2.5", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2",
+        "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
     )},
+    "qwen35": ("qwen35", False, False),
+    "tekken": ("tekken", True, True),
+    **{name: ("gpt-4o", False, False) for name in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
+    "deepseek-v3": ("deepseek-v3", False, False),
 }
 
 
@@ -86,13 +129,8 @@ def _make_pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
-    split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}[kind]
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _SPLITS[kind]]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
@@ -184,12 +222,14 @@ def _byte_level_backend(meta: dict[str, GGUFValue], vocab: dict[str, int], sourc
     if not merges_raw:
         raise ValueError(f"{source}: GGUF has no tokenizer.ggml.merges")
     merges = _merges(merges_raw)
+    if "tokenizer.ggml.pre" not in meta:
+        logger.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' split", source)
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre in _GGUF_PRE:
-        kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]  # type: ignore[index]
-    else:
-        logger.warning("%s: unknown tokenizer.ggml.pre %r; using the GPT-2 byte-level split", source, pre)
-        kind, ignore_merges, add_bos_default = "gpt2", False, False
+    if pre not in _GGUF_PRE:
+        raise ValueError(
+            f"{source}: GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_GGUF_PRE))}"
+        )
+    kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]  # type: ignore[index]
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     backend.pre_tokenizer = _make_pre_tokenizer(kind)
     backend.decoder = decoders.ByteLevel()
