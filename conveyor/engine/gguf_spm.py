@@ -7,9 +7,10 @@ character no token holds falls back to its `<0xNN>` byte tokens. A `tokenizers` 
 when its merges are every split of every token into two tokens, ranked by the whole token's score:
 its ranks order merges as the scores do, and it too takes the leftmost of equal-ranked pairs.
 
-Where two different tokens carry the same score the ranks still tell them apart (by token id), where
-llama.cpp would take the leftmost pair; trained SentencePiece vocabularies give every merged piece
-its own score, so this only touches tokens that are never merged into (control, byte, added ones).
+Ties are where the two could differ: llama.cpp takes the leftmost of equally scored pairs, the ranks
+here the lower token id first (then the shorter left part). A trained SentencePiece vocabulary gives
+each piece its own score, which leaves equal scores to tokens text is never merged into (control, added
+and byte tokens) and to one token reached by two different splits at overlapping places.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def spm_merges_exact(tokens: list[str], vocab: dict[str, int], scores: np.ndarra
 
 
 def _pick(tokens: list[str], ids: np.ndarray) -> list[str]:
+    """[tokens[i] for i in ids], in C."""
     if len(ids) == 0:
         return []
     if len(ids) == 1:
