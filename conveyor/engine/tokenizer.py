@@ -202,7 +202,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build a byte-level BPE from a GGUF file's metadata; see gguf_vocab.py."""
+        """Build the tokenizer a GGUF file's metadata describes (byte-level or SentencePiece BPE); see gguf_vocab.py."""
         from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 
         return tokenizer_from_gguf(path)

@@ -92,7 +92,9 @@ def _reference(path: Path) -> BackendTokenizer:
     return backend
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize(
+    "pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "qwen35", "gpt-4o", "tekken", "deepseek-v3", "default"]
+)
 def test_fast_build_matches_reference(tmp_path: Path, trained: BackendTokenizer, pre: str) -> None:
     path = _write_gguf(tmp_path / "t.gguf", trained, pre, extra_tokens=[])
     fast, reference = tokenizer_from_gguf(path), _reference(path)

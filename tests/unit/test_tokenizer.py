@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -372,15 +371,11 @@ def test_gguf_qwen2_and_smollm_split_digits(tmp_path: Path, backend: BackendToke
         assert g.add_bos is False
 
 
-def test_gguf_unknown_pre_falls_back_with_warning(
-    tmp_path: Path, backend: BackendTokenizer, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="conveyor.engine.gguf_vocab"):
-        g = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="mystery-pre"))
-    assert "mystery-pre" in caplog.text
-    assert g.decode(g.encode(MULTIBYTE)) == MULTIBYTE
+def test_gguf_unknown_pre_is_refused_by_name(tmp_path: Path, backend: BackendTokenizer) -> None:
+    with pytest.raises(ValueError, match=r"pre-tokenizer 'mystery-pre' is not supported; supported: .*\bqwen2\b"):
+        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="mystery-pre"))
 
 
-def test_gguf_sentencepiece_is_rejected(tmp_path: Path, backend: BackendTokenizer) -> None:
-    with pytest.raises(ValueError, match=r"'llama'.*'gpt2'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="llama"))
+def test_gguf_unknown_model_is_refused_by_name(tmp_path: Path, backend: BackendTokenizer) -> None:
+    with pytest.raises(ValueError, match=r"model 't5' is not supported; supported: 'gpt2' .*'llama'"):
+        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="t5"))
