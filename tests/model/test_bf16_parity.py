@@ -22,7 +22,7 @@ SLACK = 2.0    # ours may be this many times further from float32 than transform
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_bf16_is_as_close_to_float32_as_transformers_bf16(
         name: str, path: str, tiny_checkpoint_factory: Callable[[str], Path]) -> None:
     from transformers import AutoModelForCausalLM
