@@ -1,10 +1,12 @@
-"""python -m bench {run,serve,limits}: see BENCHMARKS.md.
+"""python -m bench {run,serve,limits,capacity,interference}: see BENCHMARKS.md.
 
     python -m bench run                                   # every system, the full default workload
     python -m bench run --systems conveyor,llama-server-f32 --num-requests 8 --output-tokens 32 --concurrency 8
     python -m bench run --model FILE.gguf --systems conveyor-server,llama-server   # llama-server serves FILE.gguf
     python -m bench serve --url http://127.0.0.1:8000 --rate 2 --num-requests 64
     python -m bench limits --threads 2
+    python -m bench capacity [--model FILE.gguf --ttft-ms 4000 --tpot-ms 200]   # capacity under a latency SLO
+    python -m bench interference [--model FILE.gguf]      # a 4096-token prompt arrives while 8 streams decode
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import limits, report, run
+from bench import capacity, interference, limits, report, run
 from bench.client import run_serving
 from bench.metrics import samples, summarize
 from bench.workloads import add_workload_arguments, offline_workload
@@ -71,8 +73,16 @@ def main() -> None:
     p_lim.add_argument("--model", default=None)
     p_lim.add_argument("--threads", type=int, default=2)
     p_lim.add_argument("--batch-sizes", default="1,16,32,64")
+    p_cap = sub.add_parser("capacity", help="the highest request rate served within a latency SLO, against llama-server")
+    capacity.add_arguments(p_cap)
+    p_int = sub.add_parser("interference", help="the decoding streams' ITL while a long prompt is prefilled")
+    interference.add_arguments(p_int)
     args = parser.parse_args()
-    if args.command == "run":
+    if args.command == "capacity":
+        capacity.run(args)
+    elif args.command == "interference":
+        interference.run(args)
+    elif args.command == "run":
         run.run(args)
     elif args.command == "serve":
         serve(args)

@@ -1,0 +1,187 @@
+"""Long-prompt interference: what a long prompt's prefill does to the streams already decoding.
+
+    python -m bench interference                       # the bundled model, conveyor vs llama-server
+    python -m bench interference --model FILE.gguf --long-prompt 4096 --streams 8
+
+Per system: --streams requests start decoding (short prompts, long outputs, streamed); once every one
+of them has streamed for --before-s seconds, one prompt of --long-prompt tokens arrives. The streams'
+inter-token gaps are split at the long prompt's arrival and at its first token: "before" (steady
+decoding) and "during" (its prefill). Reported: p50/p99 ITL before and during, their ratio, and the long
+prompt's TTFT. conveyor runs `conveyor serve` with its defaults; llama-server serves the same file with
+one slot per request (-np streams + 1), each with room for the long prompt. JSON and a plot of every
+gap against time go to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import report, servers
+from bench.metrics import percentile
+from bench.workloads import offline_workload
+
+SYSTEMS = ("conveyor", "llama-server")
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
+                  times: list[float], first_token: asyncio.Event | None = None) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                times.append(time.perf_counter())
+                if first_token is not None and not first_token.is_set():
+                    first_token.set()
+
+
+async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int) -> dict:
+    url = base_url.rstrip("/") + "/v1/completions"
+    short = offline_workload(args.streams, args.stream_prompt, args.stream_prompt, args.stream_tokens,
+                             vocab_high=vocab_high, seed=args.seed)
+    long_prompt = offline_workload(1, args.long_prompt, args.long_prompt, 1, vocab_high=vocab_high,
+                                   seed=args.seed + 1)[0].prompt_token_ids
+    times: list[list[float]] = [[] for _ in short]
+    limits = httpx.Limits(max_connections=args.streams + 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+        start = time.perf_counter()
+        streams = [asyncio.create_task(_stream(client, url, r.prompt_token_ids, r.max_tokens, t))
+                   for r, t in zip(short, times)]
+        while not all(len(t) >= 2 for t in times):          # every stream decoding
+            if any(s.done() for s in streams):
+                [s.result() for s in streams if s.done()]   # surfaces the error
+                raise RuntimeError("a stream ended before every stream was decoding")
+            await asyncio.sleep(0.01)
+        steady = time.perf_counter()
+        await asyncio.sleep(args.before_s)
+        long_times: list[float] = []
+        long_first = asyncio.Event()
+        long_sent = time.perf_counter()
+        long_task = asyncio.create_task(_stream(client, url, long_prompt, 1, long_times, long_first))
+        await asyncio.wait_for(long_first.wait(), timeout=args.timeout_s)
+        long_first_s = time.perf_counter()
+        await asyncio.sleep(args.after_s)
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, long_task, return_exceptions=True)
+    if any(len(t) < 2 or t[-1] < long_first_s for t in times):
+        raise RuntimeError("a stream ended before the long prompt's prefill did: raise --stream-tokens")
+    gaps = [(b - start, b - a) for t in times for a, b in zip(t, t[1:])]
+    before = [g for end, g in gaps if steady - start < end <= long_sent - start]
+    during = [g for end, g in gaps if long_sent - start < end <= long_first_s - start]
+    fig = {"itl_before_ms": _dist(before), "itl_during_ms": _dist(during),
+           "long_prompt_ttft_ms": (long_first_s - long_sent) * 1000, "num_gaps_before": len(before),
+           "num_gaps_during": len(during)}
+    fig["p99_ratio"] = fig["itl_during_ms"]["p99"] / fig["itl_before_ms"]["p99"]
+    fig["gaps"] = [(round(end, 4), round(g * 1000, 2)) for end, g in gaps]
+    fig["window_s"] = [round(long_sent - start, 4), round(long_first_s - start, 4)]
+    return fig
+
+
+def _dist(values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99),
+            "max": max(ms, default=float("nan"))}
+
+
+def run_system(name: str, args: argparse.Namespace, model: Path, vocab_high: int,
+               llama: servers.LlamaCpp | None) -> dict:
+    port = servers.free_port()
+    if name == "conveyor":
+        cmd = servers.conveyor_command(port, model=str(model), threads=args.threads, dtype=None, quantization=None)
+    else:
+        assert llama is not None
+        ctx = max(args.long_prompt, args.stream_prompt + args.stream_tokens) + 16
+        cmd = llama.command(port, model, parallel=args.streams + 1, ctx_per_slot=ctx, threads=args.threads)
+    with servers.launched(cmd, port, args.log_dir / f"{name}.log") as server:
+        asyncio.run(_measure(server.base_url, _warmup_args(args), vocab_high))   # warm, then measure
+        fig = asyncio.run(_measure(server.base_url, args, vocab_high))
+    fig["command"] = cmd
+    print(f"  {name:14s} ITL p50/p99 before {fig['itl_before_ms']['p50']:.0f}/{fig['itl_before_ms']['p99']:.0f} ms,"
+          f" during {fig['itl_during_ms']['p50']:.0f}/{fig['itl_during_ms']['p99']:.0f} ms (p99 ratio "
+          f"{fig['p99_ratio']:.2f}x); long prompt TTFT {fig['long_prompt_ttft_ms']:.0f} ms", flush=True)
+    return fig
+
+
+def _warmup_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A short pass of the same shape (the same long prompt length: its first run pays one-off costs)."""
+    return argparse.Namespace(**{**vars(args), "before_s": 0.5, "after_s": 0.0, "seed": args.seed + 7})
+
+
+def plot(results: dict[str, dict], title: str, path: Path) -> str | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3 * len(results)), sharey=True, squeeze=False)
+    for ax, (name, result) in zip(axes[:, 0], results.items()):
+        ends, gaps = zip(*result["gaps"]) if result["gaps"] else ((), ())
+        ax.scatter(ends, gaps, s=4)
+        ax.axvspan(*result["window_s"], color="orange", alpha=0.2, label="the long prompt's prefill")
+        ax.set_yscale("log")
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(f"{name}: p99 ITL {result['itl_before_ms']['p99']:.0f} ms before, "
+                     f"{result['itl_during_ms']['p99']:.0f} ms during ({result['p99_ratio']:.2f}x); "
+                     f"long prompt TTFT {result['long_prompt_ttft_ms']:.0f} ms", fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("seconds since the streams started")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")
+    p.add_argument("--stream-prompt", type=int, default=64, help="their prompt tokens")
+    p.add_argument("--stream-tokens", type=int, default=4096, help="their output budget (cut off at the end)")
+    p.add_argument("--long-prompt", type=int, default=4096, help="tokens of the prompt that arrives")
+    p.add_argument("--before-s", type=float, default=5.0, help="seconds of steady decoding measured before it")
+    p.add_argument("--after-s", type=float, default=0.5, help="seconds the streams run on after its first token")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR)
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--log-dir", type=Path, default=Path("bench/results/interference"))
+
+
+def run(args: argparse.Namespace) -> None:
+    from bench.limits import model_arch
+    from conveyor.model.loader import default_model_path
+
+    model = args.model or default_model_path()
+    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := set(chosen) - set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    llama = servers.LlamaCpp.find(args.peers_dir)
+    if "llama-server" in chosen and llama is None:
+        raise SystemExit(f"llama-server not found under {args.peers_dir}: {servers.BUILD_HINT}")
+    vocab_high = min(40_000, model_arch(str(model)).vocab_size)
+    print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {model.name}; {args.streams} streams, "
+          f"then a {args.long_prompt}-token prompt", flush=True)
+    results = {name: run_system(name, args, model, vocab_high, llama) for name in chosen}
+    out = report.save_run("interference", args.out_dir, {
+        "model": str(model), "threads": args.threads, "streams": args.streams,
+        "stream_prompt": args.stream_prompt, "long_prompt": args.long_prompt, "before_s": args.before_s,
+        "llama_commit": llama.commit() if llama else None, "results": results})
+    png = plot(results, f"a {args.long_prompt}-token prompt arrives while {args.streams} streams decode: "
+                        f"{model.name}, {args.threads} threads", out.with_suffix(".png"))
+    if png:
+        print(f"PNG: {png}")
