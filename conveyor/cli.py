@@ -60,6 +60,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-prefill-chunk", type=int, default=None,
                        help="prompt tokens a decoding step still takes when decodes alone miss the target "
                             "(balanced: 32)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="prompts longer than this are long (default: --max-num-batched-tokens)")
+    group.add_argument("--long-prefill-max-slowdown", type=float, default=None,
+                       help="while others decode, a long prompt's chunks lengthen a step by at most this fraction "
+                            "of its decode time; 0 = no cap (default: 0.3)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many processes (gloo, on this machine); it pays where a "
                             "model does not fit one process's memory or there are more cores than one rank uses")
@@ -121,6 +126,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size, "device": args.device,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
+        **_given(args, "long_prefill_token_threshold"),
+        **({} if args.long_prefill_max_slowdown is None
+           else {"long_prefill_max_slowdown": args.long_prefill_max_slowdown or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,

@@ -119,6 +119,12 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None  # None = unbounded
     target_itl_ms: float | None = _BALANCED.target_itl_ms
     min_prefill_chunk: int = _BALANCED.min_prefill_chunk
+    # A prompt longer than the threshold (None: max_num_batched_tokens, a prompt one step cannot take)
+    # is "long": while others decode, its chunks may lengthen their step by at most this fraction of
+    # the step's decode time, so its prefill never stalls the streams (None: no such cap). Only with a
+    # target ITL, as the cap is a latency policy too.
+    long_prefill_token_threshold: int | None = None
+    long_prefill_max_slowdown: float | None = 0.3
     # Fair sharing: a tenant's share of admissions is proportional to its weight (default 1); a
     # tenant runs at most max_running_per_tenant requests at once (None = no cap).
     tenant_weights: tuple[tuple[str, float], ...] = ()
@@ -137,6 +143,13 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("min_prefill_chunk", self.min_prefill_chunk)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.long_prefill_max_slowdown is not None and (
+            isinstance(self.long_prefill_max_slowdown, bool) or not isinstance(self.long_prefill_max_slowdown, (int, float))
+            or not 0 < self.long_prefill_max_slowdown < float("inf")
+        ):
+            raise ValueError(f"long_prefill_max_slowdown must be a positive fraction of a step's decode time or "
+                             f"None (off), got {self.long_prefill_max_slowdown!r}")
         if self.target_itl_ms is not None and (
             isinstance(self.target_itl_ms, bool) or not isinstance(self.target_itl_ms, (int, float))
             or not 0 < self.target_itl_ms < float("inf")
@@ -161,6 +174,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_waiting_requests must be a non-negative integer, got {self.max_waiting_requests!r}"
             )
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """Prompts with more tokens than this are long."""
+        if self.long_prefill_token_threshold is None:
+            return self.max_num_batched_tokens
+        return self.long_prefill_token_threshold
 
 
 SPECULATIVE_METHODS = ("ngram",)

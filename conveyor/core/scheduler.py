@@ -159,7 +159,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             start = request.num_computed_tokens
-            num_new = prefill.take(start, min(request.num_tokens - start, budget))
+            num_new = prefill.take(start, min(request.num_tokens - start, budget), self._is_long(request))
             if num_new == 0:
                 return self._plan(rows, preempted)
             if not self._make_room(request, start + num_new, scheduled, preempted):
@@ -179,7 +179,7 @@ class Scheduler:
                 break
             cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
-            num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget))
+            num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget), self._is_long(request))
             if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
                 break
             self.waiting.remove(request)
@@ -264,7 +264,10 @@ class Scheduler:
         if self.cost_model is None or target_ms is None or not rows:
             return PrefillBudget()
         return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
-                             StepShape.from_rows(rows))
+                             StepShape.from_rows(rows), self.config.long_prefill_max_slowdown)
+
+    def _is_long(self, request: Request) -> bool:
+        return request.num_prompt_tokens > self.config.long_prefill_threshold
 
     def _add_drafts(self, rows: list[ScheduledRow], budget: int) -> int:
         """Extend the step's decode rows with draft tokens; returns the token budget left.
@@ -276,7 +279,8 @@ class Scheduler:
         """
         cost = self.cost_model.cost if self.cost_model is not None else None
         shape = StepShape.from_rows(rows)
-        step_s = cost.predict_s(shape.num_tokens, shape.num_context_tokens) if cost is not None else 0.0
+        step_s = cost.predict_s(shape.num_tokens, shape.num_context_tokens, shape.num_sampling_rows) \
+            if cost is not None else 0.0
         expected_tokens = float(len(rows))
         for i, row in enumerate(rows):
             request = self.requests[row.request_id]
@@ -291,7 +295,8 @@ class Scheduler:
             for _ in drafts:
                 if cost is not None:
                     chance = request.draft_acceptance ** (granted + 1)
-                    token_s = cost.chunk_s(row.start_position + 1 + granted, 1)
+                    # A guess is a sampled row too: it pays for the output layer as well.
+                    token_s = cost.chunk_s(row.start_position + 1 + granted, 1) + cost.per_sampling_row_s
                     if not worth_drafting(chance, token_s, step_s, expected_tokens):
                         break
                     step_s += token_s

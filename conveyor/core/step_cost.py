@@ -1,9 +1,13 @@
 """Step cost model: how long a step of a given shape takes, fitted online from measured steps.
 
     step_time_s ~= fixed_s + per_token_s * num_tokens + per_context_token_s * num_context_tokens
+                   + per_sampling_row_s * num_sampling_rows
 
 `num_context_tokens` counts the key positions the step's new tokens attend to: a decode at context
-length L adds L, a chunk of n prompt tokens starting at position s adds n*s + n(n+1)/2. The model
+length L adds L, a chunk of n prompt tokens starting at position s adds n*s + n(n+1)/2. A sampled
+row also pays for the output layer and the sampler (on a small model the output layer is a quarter
+of a token's work), so a decode row costs more than a prompt token, and chunk sizes are not taken
+from decode-heavy fits that put the output layer into every token's price. The model
 is pure data: the engine passes in each step's shape and measured duration, and the scheduler asks
 for a `PrefillBudget`. No clock, no threads, no torch.
 """
@@ -33,12 +37,14 @@ class StepShape:
     num_tokens: int
     num_context_tokens: int
     num_prefill_tokens: int = 0
+    num_sampling_rows: int = 0     # positions whose logits are computed and sampled
 
     @classmethod
     def from_rows(cls, rows: tuple[ScheduledRow, ...] | list[ScheduledRow]) -> StepShape:
         return cls(num_tokens=sum(row.num_tokens for row in rows),
                    num_context_tokens=sum(context_tokens(row.start_position, row.num_tokens) for row in rows),
-                   num_prefill_tokens=sum(row.num_tokens for row in rows if row.is_prefill))
+                   num_prefill_tokens=sum(row.num_tokens for row in rows if row.is_prefill),
+                   num_sampling_rows=sum(row.num_logits for row in rows))
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> StepShape:
@@ -52,9 +58,11 @@ class StepCost:
     fixed_s: float
     per_token_s: float
     per_context_token_s: float
+    per_sampling_row_s: float = 0.0
 
-    def predict_s(self, num_tokens: int, num_context_tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * num_tokens + self.per_context_token_s * num_context_tokens
+    def predict_s(self, num_tokens: int, num_context_tokens: int, num_sampling_rows: int = 0) -> float:
+        return (self.fixed_s + self.per_token_s * num_tokens + self.per_context_token_s * num_context_tokens
+                + self.per_sampling_row_s * num_sampling_rows)
 
     def chunk_s(self, start_position: int, num_tokens: int) -> float:
         """What adding one prompt chunk to a step costs on top of the step's fixed part."""
@@ -79,7 +87,7 @@ class StepCost:
 
 
 # A small model on a couple of CPU cores; the fit replaces it within a few dozen steps.
-DEFAULT_PRIOR = StepCost(fixed_s=0.02, per_token_s=0.002, per_context_token_s=1e-7)
+DEFAULT_PRIOR = StepCost(fixed_s=0.02, per_token_s=0.002, per_context_token_s=1e-7, per_sampling_row_s=0.0005)
 
 
 class StepCostModel:
@@ -101,8 +109,8 @@ class StepCostModel:
         self.prior = prior
         self.prior_weight = prior_weight
         self.outlier_mads = outlier_mads
-        self._prefill_steps: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._decode_steps: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._prefill_steps: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._decode_steps: deque[tuple[float, ...]] = deque(maxlen=window)
         self._cost: StepCost | None = prior
         self.num_samples = 0
 
@@ -111,7 +119,8 @@ class StepCostModel:
         if shape.num_tokens <= 0 or not math.isfinite(step_time_s) or step_time_s <= 0:
             return
         window = self._prefill_steps if shape.num_prefill_tokens else self._decode_steps
-        window.append((shape.num_tokens / _TOKEN_SCALE, shape.num_context_tokens / _CONTEXT_SCALE, step_time_s))
+        window.append((shape.num_tokens / _TOKEN_SCALE, shape.num_context_tokens / _CONTEXT_SCALE,
+                       shape.num_sampling_rows / _TOKEN_SCALE, step_time_s))
         self.num_samples += 1
         self._cost = None
 
@@ -125,59 +134,60 @@ class StepCostModel:
         samples = list(self._prefill_steps) + list(self._decode_steps)
         theta = self._solve(samples)
         if len(samples) >= 8:
-            ratios = [sample[2] / max(_predict(theta, sample), 1e-9) - 1.0 for sample in samples]
+            ratios = [sample[-1] / max(_predict(theta, sample), 1e-9) - 1.0 for sample in samples]
             median = _median(ratios)
             spread = max(_median([abs(r - median) for r in ratios]), 0.02)  # floor: clean data is not trimmed
             kept = [sample for sample, r in zip(samples, ratios) if abs(r - median) <= self.outlier_mads * spread]
             theta = self._solve(kept, weigh_by=theta)
-        return StepCost(theta[0], theta[1] / _TOKEN_SCALE, theta[2] / _CONTEXT_SCALE)
+        return StepCost(theta[0], theta[1] / _TOKEN_SCALE, theta[2] / _CONTEXT_SCALE, theta[3] / _TOKEN_SCALE)
 
-    def _solve(self, samples: list[tuple[float, float, float]],
-               weigh_by: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
-        """Ridge-to-prior weighted least squares; exact non-negative solution over the 7 active sets.
+    def _solve(self, samples: list[tuple[float, ...]], weigh_by: tuple[float, ...] | None = None) -> tuple[float, ...]:
+        """Ridge-to-prior weighted least squares; exact non-negative solution over the 15 active sets.
 
         The prior gives the split between the three parts; its overall scale is fitted first, so a
         machine 20x faster than the prior is not held back, and the ridge only settles directions
         the recent steps leave undetermined.
         """
         p = self.prior
-        prior = (p.fixed_s, p.per_token_s * _TOKEN_SCALE, p.per_context_token_s * _CONTEXT_SCALE)
+        prior = (p.fixed_s, p.per_token_s * _TOKEN_SCALE, p.per_context_token_s * _CONTEXT_SCALE,
+                 p.per_sampling_row_s * _TOKEN_SCALE)
+        k = len(prior)
         typical_s = sum(prior)
         if samples:
-            num = sum(_predict(prior, x) / x[2] for x in samples)      # weights 1/y^2 on (y - scale * pred)
-            den = sum((_predict(prior, x) / x[2]) ** 2 for x in samples)
+            num = sum(_predict(prior, x) / x[-1] for x in samples)      # weights 1/y^2 on (y - scale * pred)
+            den = sum((_predict(prior, x) / x[-1]) ** 2 for x in samples)
             scale = num / den if den > 0 else 1.0
-            prior = (prior[0] * scale, prior[1] * scale, prior[2] * scale)
-            typical_s = _median([y for _, _, y in samples])
+            prior = tuple(c * scale for c in prior)
+            typical_s = _median([x[-1] for x in samples])
         # Each coefficient's pull weighs like prior_weight steps of typical size (features are ~1).
-        a = [[0.0] * 3 for _ in range(3)]
-        rhs = [0.0] * 3
+        a = [[0.0] * k for _ in range(k)]
+        rhs = [0.0] * k
         w = self.prior_weight / typical_s ** 2
-        for k in range(3):
-            a[k][k] += w
-            rhs[k] += w * prior[k]
-        for n, ctx, y in samples:
-            x = (1.0, n, ctx)
+        for i in range(k):
+            a[i][i] += w
+            rhs[i] += w * prior[i]
+        for sample in samples:
+            x, y = (1.0, *sample[:-1]), sample[-1]
             # Relative error: 1/t^2, with t from an earlier fit when there is one, as 1/measured^2
             # favours the steps that happened to run fast.
-            t = y if weigh_by is None else max(_predict(weigh_by, (n, ctx, y)), 1e-9)
+            t = y if weigh_by is None else max(_predict(weigh_by, sample), 1e-9)
             wy = 1.0 / (t * t)
-            for i in range(3):
+            for i in range(k):
                 rhs[i] += wy * x[i] * y
-                for j in range(3):
+                for j in range(k):
                     a[i][j] += wy * x[i] * x[j]
-        best: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        best: tuple[float, ...] = (0.0,) * k
         best_loss = 0.0   # the all-zero solution's loss, relative to the constant term
-        for free in itertools.chain.from_iterable(itertools.combinations(range(3), r) for r in (3, 2, 1)):
+        for free in itertools.chain.from_iterable(itertools.combinations(range(k), r) for r in range(k, 0, -1)):
             sub = _solve_linear([[a[i][j] for j in free] for i in free], [rhs[i] for i in free])
             if sub is None or min(sub) < 0:
                 continue
-            theta = [0.0, 0.0, 0.0]
+            theta = [0.0] * k
             for i, v in zip(free, sub):
                 theta[i] = v
-            loss = sum(theta[i] * a[i][j] * theta[j] for i in range(3) for j in range(3)) - 2 * _dot(theta, rhs)
+            loss = sum(theta[i] * a[i][j] * theta[j] for i in range(k) for j in range(k)) - 2 * _dot(theta, rhs)
             if loss < best_loss:
-                best, best_loss = (theta[0], theta[1], theta[2]), loss
+                best, best_loss = tuple(theta), loss
         return best
 
 
@@ -186,18 +196,23 @@ class PrefillBudget:
 
     With decodes in the step, chunks get what the cost model says fits under `target_s`, but never
     less than `min_tokens` in all (so prompts keep moving while decodes alone miss the target).
+    Chunks of long prompts (`take(..., is_long=True)`) share a second, smaller allowance: at most
+    `long_slowdown` times the step's predicted decode time, and at least one token a step, so a long
+    prefill lengthens every decoding step by a bounded fraction instead of stalling the streams.
     With no decodes nobody waits on this step's latency: chunks are limited only by the caller.
     """
 
     def __init__(self, cost: StepCost | None = None, target_s: float | None = None, min_tokens: int = 0,
-                 decodes: StepShape | None = None) -> None:
+                 decodes: StepShape | None = None, long_slowdown: float | None = None) -> None:
         self.cost = cost
         self.is_limited = cost is not None and target_s is not None and decodes is not None and decodes.num_tokens > 0
-        self.time_left_s = target_s - cost.predict_s(decodes.num_tokens, decodes.num_context_tokens) \
-            if self.is_limited else math.inf
+        decode_s = cost.predict_s(decodes.num_tokens, decodes.num_context_tokens, decodes.num_sampling_rows) \
+            if self.is_limited else 0.0
+        self.time_left_s = target_s - decode_s if self.is_limited else math.inf
+        self.long_time_left_s = long_slowdown * decode_s if self.is_limited and long_slowdown else math.inf
         self.floor_left = min_tokens
 
-    def take(self, start_position: int, num_wanted: int) -> int:
+    def take(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
         """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`."""
         if num_wanted <= 0:
             return 0
@@ -205,17 +220,23 @@ class PrefillBudget:
             return num_wanted
         fit = self.cost.max_chunk(start_position, self.time_left_s)
         num = num_wanted if fit is None else min(num_wanted, max(fit, self.floor_left))
+        if is_long and self.long_time_left_s < math.inf:
+            long_fit = self.cost.max_chunk(start_position, self.long_time_left_s)
+            if long_fit is not None:
+                num = min(num, max(long_fit, 1))
+            self.long_time_left_s -= self.cost.chunk_s(start_position, num)
         self.time_left_s -= self.cost.chunk_s(start_position, num)
         self.floor_left = max(self.floor_left - num, 0)
         return num
 
 
-def _dot(u: tuple[float, float, float] | list[float], v: tuple[float, float, float] | list[float]) -> float:
-    return u[0] * v[0] + u[1] * v[1] + u[2] * v[2]
+def _dot(u: tuple[float, ...] | list[float], v: tuple[float, ...] | list[float]) -> float:
+    return sum(a * b for a, b in zip(u, v))
 
 
-def _predict(theta: tuple[float, float, float], sample: tuple[float, float, float]) -> float:
-    return theta[0] + theta[1] * sample[0] + theta[2] * sample[1]
+def _predict(theta: tuple[float, ...], sample: tuple[float, ...]) -> float:
+    """theta's prediction for a sample (its features, then its measured time, which is left out)."""
+    return theta[0] + sum(c * x for c, x in zip(theta[1:], sample[:-1]))
 
 
 def _median(values: list[float]) -> float:

@@ -21,9 +21,13 @@ KNOWN = StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=0.0)
 
 def make_scheduler(target_itl_ms: float | None = 50.0, min_prefill_chunk: int = 4, max_num_batched_tokens: int = 256,
                    max_num_seqs: int = 16, num_blocks: int = 256, cost: StepCost | None = KNOWN,
-                   cost_model: StepCostModel | None = None) -> Scheduler:
+                   cost_model: StepCostModel | None = None, long_prefill_max_slowdown: float | None = None,
+                   long_prefill_token_threshold: int | None = None) -> Scheduler:
+    """The long-prompt cap is off unless asked for: most tests here are about the target alone."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             target_itl_ms=target_itl_ms, min_prefill_chunk=min_prefill_chunk)
+                             target_itl_ms=target_itl_ms, min_prefill_chunk=min_prefill_chunk,
+                             long_prefill_max_slowdown=long_prefill_max_slowdown,
+                             long_prefill_token_threshold=long_prefill_token_threshold)
     model = cost_model or (StepCostModel(prior=cost) if cost is not None else None)
     return Scheduler(config, BlockManager(num_blocks, 4), 4096, FakeClock(), model)
 
@@ -161,3 +165,47 @@ def test_closed_loop_steps_stay_near_the_target_once_the_model_has_learned() -> 
             over += time_s > 0.2 * 1.1
     assert decode_steps > 100 and over <= decode_steps // 50, (over, decode_steps)
     assert arrivals > 50 and sum(1 for r in sched.requests.values() if r.output_token_ids) > 0
+
+
+# ------------------------------------------------------------------ long prompts
+
+
+def test_a_long_prompt_lengthens_a_decoding_step_by_at_most_the_slowdown() -> None:
+    sched = make_scheduler(target_itl_ms=200.0, long_prefill_max_slowdown=0.5, max_num_batched_tokens=256)
+    start_decoding(sched, 6)
+    sched.add(make_request("long", prompt_len=1000, max_tokens=2))   # more than 256 tokens: long
+    plan = step(sched)
+    # 6 decodes: 10 + 6 = 16 ms predicted; the long prompt may add half of that: 8 tokens at 1 ms.
+    assert plan.num_decode_tokens == 6 and plan.num_scheduled_tokens["long"] == 8
+    # Every step while it prefills: the same bound, and the decodes never wait.
+    for _ in range(5):
+        plan = step(sched)
+        assert plan.num_decode_tokens == 6 and plan.num_scheduled_tokens["long"] == 8
+
+
+def test_short_prompts_still_fill_the_target_beside_a_long_one() -> None:
+    sched = make_scheduler(target_itl_ms=50.0, long_prefill_max_slowdown=0.5, max_num_batched_tokens=256)
+    start_decoding(sched, 4)
+    sched.add(make_request("long", prompt_len=1000, max_tokens=2))
+    sched.add(make_request("short", prompt_len=30, max_tokens=2))
+    plan = step(sched)
+    # 14 ms of decodes; long gets 7 tokens (half of 14 ms); short the rest of the 50 ms target: 29.
+    assert plan.num_scheduled_tokens["long"] == 7 and plan.num_scheduled_tokens["short"] == 29
+
+
+def test_a_long_prompt_runs_at_full_speed_with_nothing_decoding_and_always_moves() -> None:
+    sched = make_scheduler(target_itl_ms=200.0, long_prefill_max_slowdown=0.01, max_num_batched_tokens=256)
+    sched.add(make_request("long", prompt_len=600, max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"long": 256}   # nobody decodes: the whole chunk
+    sched = make_scheduler(target_itl_ms=200.0, long_prefill_max_slowdown=0.01, max_num_batched_tokens=256)
+    start_decoding(sched, 1)
+    sched.add(make_request("long", prompt_len=600, max_tokens=2))
+    # 1 decode: 11 ms; 1 % of it buys no whole token, yet the long prompt still gets one a step.
+    assert [step(sched).num_scheduled_tokens for _ in range(2)] == [{"d0": 1, "long": 1}] * 2
+
+
+def test_the_threshold_decides_what_is_long() -> None:
+    sched = make_scheduler(target_itl_ms=200.0, long_prefill_max_slowdown=0.5, long_prefill_token_threshold=2000)
+    start_decoding(sched, 6)
+    sched.add(make_request("p", prompt_len=1000, max_tokens=2))   # under the threshold: the target rules
+    assert step(sched).num_scheduled_tokens["p"] == 184            # 200 - 16 ms

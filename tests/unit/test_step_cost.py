@@ -21,8 +21,8 @@ def random_shape(rng: random.Random) -> StepShape:
         chunk, start = rng.randint(16, 512), rng.randint(0, 300)
         num_decodes = rng.randint(0, 32)
         decode_context = sum(rng.randint(50, 400) for _ in range(num_decodes))
-        return StepShape(num_decodes + chunk, decode_context + context_tokens(start, chunk), chunk)
-    return StepShape(num_decodes, decode_context, 0)
+        return StepShape(num_decodes + chunk, decode_context + context_tokens(start, chunk), chunk, num_decodes)
+    return StepShape(num_decodes, decode_context, 0, num_decodes)
 
 
 def feed(model: StepCostModel, truth: StepCost, num_steps: int, rng: random.Random, noise: float = 0.1,
@@ -30,7 +30,8 @@ def feed(model: StepCostModel, truth: StepCost, num_steps: int, rng: random.Rand
     """Steps timed as `truth` says, with gaussian noise and rare 3-10x stalls (another process, a GC)."""
     for _ in range(num_steps):
         shape = random_shape(rng)
-        time_s = truth.predict_s(shape.num_tokens, shape.num_context_tokens) * (1 + rng.gauss(0, noise))
+        time_s = truth.predict_s(shape.num_tokens, shape.num_context_tokens, shape.num_sampling_rows) \
+            * (1 + rng.gauss(0, noise))
         if rng.random() < spike_rate:
             time_s *= rng.uniform(3, 10)
         model.observe(shape, time_s)
@@ -39,8 +40,8 @@ def feed(model: StepCostModel, truth: StepCost, num_steps: int, rng: random.Rand
 def relative_errors(cost: StepCost, truth: StepCost, seed: int = 99) -> list[float]:
     rng = random.Random(seed)
     shapes = [random_shape(rng) for _ in range(300)]
-    return sorted(abs(cost.predict_s(s.num_tokens, s.num_context_tokens)
-                      / truth.predict_s(s.num_tokens, s.num_context_tokens) - 1) for s in shapes)
+    return sorted(abs(cost.predict_s(s.num_tokens, s.num_context_tokens, s.num_sampling_rows)
+                      / truth.predict_s(s.num_tokens, s.num_context_tokens, s.num_sampling_rows) - 1) for s in shapes)
 
 
 def test_context_tokens_of_a_decode_is_its_context_length_and_of_a_chunk_its_attention_pairs() -> None:
@@ -49,7 +50,8 @@ def test_context_tokens_of_a_decode_is_its_context_length_and_of_a_chunk_its_att
     assert context_tokens(start_position=10, num_tokens=3) == 11 + 12 + 13
     rows = (ScheduledRow("d", [5], 99, [0], is_sampling=True, is_prefill=False),
             ScheduledRow("p", [1, 2, 3], 10, [1], is_sampling=False, is_prefill=True))
-    assert StepShape.from_rows(rows) == StepShape(num_tokens=4, num_context_tokens=100 + 36, num_prefill_tokens=3)
+    assert StepShape.from_rows(rows) == StepShape(num_tokens=4, num_context_tokens=100 + 36, num_prefill_tokens=3,
+                                                  num_sampling_rows=1)
 
 
 def test_with_no_steps_the_cost_is_the_prior() -> None:
@@ -134,3 +136,15 @@ def test_prefill_budget_splits_the_time_left_after_decodes_and_keeps_a_floor() -
     tight = PrefillBudget(cost, target_s=0.012, min_tokens=8, decodes=decodes)   # decodes alone miss it
     assert tight.take(0, 5) == 5 and tight.take(0, 100) == 3 and tight.take(0, 100) == 0
     assert PrefillBudget(cost, 0.012, 0, decodes).take(0, 100) == 0
+
+
+def test_a_sampled_row_is_priced_apart_from_a_prompt_token() -> None:
+    """Decode rows also run the output layer: the fit keeps that out of a prompt token's price, so
+    prompt chunks are sized from what they cost."""
+    truth = StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=1e-7, per_sampling_row_s=0.0008)
+    model = StepCostModel()
+    feed(model, truth, 400, random.Random(5), noise=0.05, spike_rate=0.0)
+    cost = model.cost
+    assert cost.per_token_s == pytest.approx(truth.per_token_s, rel=0.15)
+    assert cost.per_sampling_row_s == pytest.approx(truth.per_sampling_row_s, rel=0.3)
+    assert cost.chunk_s(0, 100) == pytest.approx(truth.chunk_s(0, 100), rel=0.15)
