@@ -1,4 +1,4 @@
-"""`conveyor generate | serve`: command-line flags -> EngineConfig; the only place that configures logging."""
+"""`conveyor generate | serve | run-batch`: command-line flags -> configs, handed to the command that runs them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from conveyor import __version__
 from conveyor.config import (
@@ -24,6 +24,10 @@ from conveyor.config import (
     SpeculativeConfig,
 )
 from conveyor.errors import ConveyorError
+from conveyor.logging_setup import configure_logging
+
+if TYPE_CHECKING:
+    from ray.serve.deployment import Application
 
 logger = logging.getLogger("conveyor.cli")
 
@@ -294,23 +298,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _UvicornNames(logging.Filter):
-    """uvicorn logs its server's life (start-up, the address, shutdown) under `uvicorn.error` whatever
-    the level; those lines are shown as `uvicorn`, and its access lines stay `uvicorn.access`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "uvicorn.error":
-            record.name = "uvicorn"
-        return True
-
-
-def configure_logging(level: str | None, default: str) -> None:
-    logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_UvicornNames())
-
-
 def generate(args: argparse.Namespace) -> int:
     from conveyor.engine.engine import LLMEngine
     from conveyor.config import EngineConfig
@@ -391,6 +378,18 @@ def serve(args: argparse.Namespace) -> int:
     from conveyor.server.serve import run_server
 
     return run_server(config, server, started, began)
+
+
+def ray_serve_app(args: dict[str, object]) -> Application:
+    """The replicas application for Ray's CLI (`serve run conveyor.cli:ray_serve_app replicas=2 threads=1`):
+    each key=value is one of `conveyor serve`'s flags that take a value."""
+    from conveyor.replicas.deployments import build_application
+
+    argv = ["serve"]
+    for key, value in args.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    config, server, replicas = serve_configs(parse_args(argv))
+    return build_application(config, server, replicas or ReplicaConfig())
 
 
 def run_batch_command(args: argparse.Namespace) -> int:

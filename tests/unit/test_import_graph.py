@@ -145,7 +145,6 @@ def test_no_import_cycles() -> None:
     assert not tangles, "import cycles:\n" + "\n".join(tangles)
 
 
-@pytest.mark.xfail(strict=True, reason="core_process and replicas.launch import the CLI")
 def test_layers_import_downward_only() -> None:
     wrong: list[str] = []
     for name, targets in _graph().items():
