@@ -126,7 +126,7 @@ def grammar_compiler(model_path: Path, vocab_size: int,
         compiler = _compilers.get(key)
         if compiler is None:
             if make_tokenizer is None:
-                from conveyor.engine.tokenizer import load_tokenizer
+                from conveyor.engine.tokenizer_loader import load_tokenizer
 
                 def make_tokenizer() -> Tokenizer:
                     return load_tokenizer(model_path)

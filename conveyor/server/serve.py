@@ -27,7 +27,8 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.core_process import ProcessCoreClient, core_config
 from conveyor.engine.engine import LLMEngine
-from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.model.loader import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
 from conveyor.server.http_protocol import header_timeout_protocol

@@ -12,7 +12,7 @@ import httpx
 from server_helpers import launch_server_process
 
 PHASES = [
-    r"conveyor\.engine\.tokenizer: tokenizer of \S+ loaded in \d+\.\d\d s",
+    r"conveyor\.engine\.tokenizer_loader: tokenizer of \S+ loaded in \d+\.\d\d s",
     r"conveyor\.engine\.core: start-up: C kernels (ready|unavailable \(torch kernels\)) in \d+\.\d\d s",
     r"conveyor\.model\.loader: loaded \S+ \(.*\) as \S+ on cpu in \d+\.\d\d s",
     r"conveyor\.engine\.core: start-up: KV cache of \d+ blocks .* allocated in \d+\.\d\d s",
