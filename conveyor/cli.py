@@ -375,7 +375,7 @@ def serve(args: argparse.Namespace) -> int:
         from conveyor.engine.core_process import ProcessCoreClient, core_config
 
         started = ProcessCoreClient(core_config(config), logging.getLogger().getEffectiveLevel())
-    from conveyor.server.serve import run_server
+    from conveyor.server.api_server import run_server
 
     return run_server(config, server, started, began)
 

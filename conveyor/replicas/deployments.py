@@ -40,8 +40,8 @@ from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix
 from conveyor.replicas.router import ROUTING_KEY_ARG, PrefixAffinityRouter
 from conveyor.replicas.routing import RoutingKey
+from conveyor.server.api_server import build_app_over, start_core
 from conveyor.server.app import error_response
-from conveyor.server.serve import build_app_over, start_core
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
 from conveyor.server.live_view import EVENTS_PATH, add_dashboard
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -47,7 +48,6 @@ from conveyor.server.responses import (
     ModelCard,
     ModelList,
 )
-from conveyor.server.serving import OpenAIServing
 from conveyor.server.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,

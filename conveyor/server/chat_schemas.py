@@ -1,6 +1,6 @@
 """Pydantic schemas of a chat conversation and its tools: messages, tool definitions, tool_choice.
 
-chat_tools.py renders them for the chat template and turns tool_choice into a grammar; protocol.py's
+chat_tools.py renders them for the chat template and turns tool_choice into a grammar; request_schemas.py's
 ChatCompletionRequest holds them. Also the strict text type and field config every request schema uses.
 """
 

@@ -17,7 +17,7 @@ PHASES = [
     r"conveyor\.model\.loader: loaded \S+ \(.*\) as \S+ on cpu in \d+\.\d\d s",
     r"conveyor\.engine\.core: start-up: KV cache of \d+ blocks .* allocated in \d+\.\d\d s",
     r"conveyor\.engine\.core: start-up: engine core ready in \d+\.\d\d s",
-    r"conveyor\.server\.serve: start-up: ready, serving \S+ on http://127\.0\.0\.1:\d+, \d+\.\d\d s after start-up began",
+    r"conveyor\.server\.api_server: start-up: ready, serving \S+ on http://127\.0\.0\.1:\d+, \d+\.\d\d s after start-up began",
 ]
 
 

@@ -31,7 +31,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.model.loader import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
-from conveyor.server.http_protocol import header_timeout_protocol
+from conveyor.server.header_timeout import header_timeout_protocol
 from conveyor.server.live_view import LiveView
 
 logger = logging.getLogger(__name__)

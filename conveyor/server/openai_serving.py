@@ -25,7 +25,7 @@ from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, Prompt
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
     ChatChoice,
