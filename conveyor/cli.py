@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=DefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as in `vllm serve MODEL` (the same as --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
+    serve.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    serve.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     serve.add_argument("--protect-metrics", action="store_true",
@@ -248,20 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
                             "fits can pass)")
-    serve.add_argument("--header-timeout", type=float, default=10.0,
+    serve.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
                        help="seconds a connection has to send a request's headers before it is closed")
-    serve.add_argument("--body-timeout", type=float, default=30.0,
+    serve.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
                        help="seconds a request has to send its body before it gets a 408")
-    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
+    serve.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout_s,
                        help="seconds an idle keep-alive connection stays open")
     serve.add_argument("--max-concurrency", type=int, default=None,
                        help="most requests in progress at once, streams included; past it new ones get 503 "
                             "with Retry-After (/health and /metrics are never refused; default: no cap)")
-    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--disable-log-stats", dest="log_stats", action="store_false",
-                       help="no periodic Running / Waiting / KV cache / throughput line (default: every 10 s "
-                            "while there is work)")
+                       help=f"no periodic Running / Waiting / KV cache / throughput line (default: every "
+                            f"{ServerConfig.stats_log_interval_s:g} s while there is work)")
     serve.add_argument("--seed", type=int, default=None,
                        help="seed the sampling of requests that bring no seed of their own, so a server restarted "
                             "with the same requests gives the same answers (default: random)")
@@ -346,7 +346,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
-                          enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
+                          enable_docs=args.enable_docs, stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
                           state_dir=args.state_dir, enable_dashboard=args.enable_dashboard)
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, ServerConfig
 from conveyor.server.batch_format import BatchLine, parse_line, result_line
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, concurr
         return 0
     engine = LLMEngine(config)
     async_engine = AsyncEngine(ThreadCoreClient(engine.core), engine.tokenizer)
-    app = build_app(async_engine, engine.model_name, enable_dashboard=False)
+    # No live view and no periodic stats line: nobody watches this app but the progress bar.
+    app = build_app(async_engine, engine.model_name, ServerConfig(enable_dashboard=False, stats_log_interval_s=0.0))
     concurrency = concurrency or 2 * config.scheduler.max_num_seqs
 
     async def main() -> dict[str, int]:
