@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, NoReturn
 from conveyor import __version__
 from conveyor.config import (
     BATCH_PRESETS,
+    DEFAULT_BATCH_PRESET,
     DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     ReplicaConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -38,20 +40,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", "-m", default=None,
                        help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="auto",
+    group.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default=ModelConfig.dtype,
                        help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
                             "native bf16 dot products (AVX-512 BF16), float32 elsewhere; half = float16, "
                             "float = float32")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, or the template itself, instead of the model's own")
-    group.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=ModelConfig.quantization,
                        help="auto: a GGUF file runs in its own formats (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K "
                             "kept; other quantized types requantized to Q8_0), a folder as loaded; none: weights "
                             "as loaded (GGUF dequantized to float); int8: linear layers in int8 (blocks of 32) from "
                             "any checkpoint; gguf: auto, refusing folders")
     group.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default="balanced",
+    group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
+    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=DEFAULT_BATCH_PRESET,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
                             "together; those flags, when given, win")
     group.add_argument("--target-itl-ms", type=float, default=None,
@@ -64,7 +66,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-prefill-chunk", type=int, default=None,
                        help="prompt tokens a decoding step still takes when decodes alone miss the target "
                             "(balanced: 32)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ModelConfig.tensor_parallel_size,
                        help="split every layer over this many processes (gloo, on this machine); it pays where a "
                             "model does not fit one process's memory or there are more cores than one rank uses")
     group.add_argument("--max-model-len", "-c", type=int, default=None,
@@ -73,7 +75,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="memory for the KV cache, e.g. 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=CacheConfig.enable_prefix_caching,
                        help="reuse the KV blocks of shared prompt prefixes (--no-enable-prefix-caching: recompute "
                             "them)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
