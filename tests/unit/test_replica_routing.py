@@ -155,7 +155,7 @@ def test_call_app_relays_messages_and_tells_the_app_when_the_caller_left() -> No
 
 
 def test_serve_flags_make_a_replica_config() -> None:
-    from conveyor.cli import parse_args, serve_configs
+    from conveyor.cli.flags import parse_args, serve_configs
 
     assert serve_configs(parse_args(["serve"]))[2] is None
     _, server, replicas = serve_configs(parse_args(["serve", "--replicas", "3", "--max-replicas", "5",
