@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from conveyor import kernels
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.loader import load_model, resolve_model_path
 from conveyor.runtime.kv_cache import KVCache
@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     text_path = Path(args.text) if args.text else default_text()
-    ids = Tokenizer.from_gguf(path).encode(text_path.read_text(), add_special_tokens=False)[: args.tokens]
+    ids = tokenizer_from_gguf(path).encode(text_path.read_text(), add_special_tokens=False)[: args.tokens]
     print(f"model {path.name}, text {text_path} ({len(ids)} tokens), cpu {kernels.describe(kernels.cpu_features())}")
     reference = None
     for quantization in ("none", "int8", "gguf") if path.is_file() else ("none", "int8"):

@@ -111,7 +111,7 @@ def llama_server(llama: servers.LlamaCpp, model: Path, threads: int, arch) -> Se
 
 def chat_prompts(model: Path, count: int) -> list[list[int]]:
     """Token ids of short chat turns, from the file's own tokenizer and chat template (raw text without one)."""
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.tokenizer_loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     prompts = []

@@ -106,7 +106,8 @@ BATCH_PRESETS = {
     "throughput": BatchPreset(target_itl_ms=None, max_num_seqs=128, max_num_batched_tokens=1024,
                               min_prefill_chunk=64),
 }
-_BALANCED = BATCH_PRESETS["balanced"]
+DEFAULT_BATCH_PRESET = "balanced"
+_BALANCED = BATCH_PRESETS[DEFAULT_BATCH_PRESET]
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ class EngineConfig:
         Unknown names raise TypeError, so a typo never silently does nothing. `batch_preset` picks
         the scheduler defaults; scheduler options given explicitly win over it.
         """
-        batch_preset = options.pop("batch_preset", None) or "balanced"
+        batch_preset = options.pop("batch_preset", None) or DEFAULT_BATCH_PRESET
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
         owners = {
             f.name: part

@@ -9,7 +9,7 @@ from typing import Any
 from conveyor.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
-# Sane ranges, checked here for the offline API and declared in the HTTP schema (server/protocol.py).
+# Sane ranges, checked here for the offline API and declared in the HTTP schema (server/request_schemas.py).
 MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do

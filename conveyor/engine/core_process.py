@@ -26,11 +26,11 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from conveyor.cli import configure_logging   # a spawned process starts with no logging set up
 from conveyor.config import EngineConfig
 from conveyor.engine.core_client import DeathHandler, OutputsHandler, run_busy_loop
 from conveyor.engine.messages import CoreCommand, CoreInfo, Shutdown
 from conveyor.errors import ModelLoadError
+from conveyor.logging_setup import configure_logging   # a spawned process starts with no logging set up
 
 logger = logging.getLogger(__name__)
 

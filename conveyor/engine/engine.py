@@ -24,7 +24,8 @@ from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.structured_output import grammar_compiler
 from conveyor.errors import InvalidRequest
-from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.model.loader import default_model_name
 from conveyor.sampling_params import SamplingParams
 

@@ -58,6 +58,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
 
+    def use_tokenizer(self, make_tokenizer: Callable[[], Tokenizer]) -> None:
+        """Build from `make_tokenizer` instead, unless already built: a tokenizer already loaded beats
+        loading it again. Takes no lock: a build under way has its tokenizer already, and waiting gains nothing."""
+        if self._compiler is None:
+            self._make_tokenizer = make_tokenizer
+
     def _get(self) -> Any:
         with self._lock:
             if self._compiler is None:
@@ -126,13 +132,13 @@ def grammar_compiler(model_path: Path, vocab_size: int,
         compiler = _compilers.get(key)
         if compiler is None:
             if make_tokenizer is None:
-                from conveyor.engine.tokenizer import load_tokenizer
+                from conveyor.engine.tokenizer_loader import load_tokenizer
 
                 def make_tokenizer() -> Tokenizer:
                     return load_tokenizer(model_path)
             compiler = _compilers[key] = GrammarCompiler(make_tokenizer, vocab_size)
-        elif make_tokenizer is not None and compiler._compiler is None:
-            compiler._make_tokenizer = make_tokenizer   # a tokenizer already loaded beats loading it again
+        elif make_tokenizer is not None:
+            compiler.use_tokenizer(make_tokenizer)
     return compiler
 
 

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.types import Message
 
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
-from conveyor.engine.tokenizer import load_tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.errors import ConveyorError, QueueFull, RequestTimeout, RequestTooLarge, Unauthorized
 from conveyor.model.loader import resolve_model_path
 from conveyor.replicas.http_bridge import ForwardedRequest, RelayResponse, ReplicaLost, call_app
@@ -40,8 +40,8 @@ from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix
 from conveyor.replicas.router import ROUTING_KEY_ARG, PrefixAffinityRouter
 from conveyor.replicas.routing import RoutingKey
+from conveyor.server.api_server import build_app_over, start_core
 from conveyor.server.app import error_response
-from conveyor.server.serve import build_app_over, start_core
 
 logger = logging.getLogger(__name__)
 

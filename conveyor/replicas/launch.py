@@ -1,8 +1,7 @@
 """Run the replicas application: connect to Ray (or start one on this machine), deploy, wait for a signal.
 
-`conveyor serve --replicas N` calls `run_replicas`. `app_builder` is the same application for
-Ray's own CLI: `serve run conveyor.replicas.launch:app_builder replicas=2 threads=1`, where each
-key=value is one of `conveyor serve`'s flags that take a value.
+`conveyor serve --replicas N` builds the configs from its flags and calls `run_replicas`; Ray's own
+`serve run` gets the same application from `conveyor.cli:ray_serve_app`, which reads the flags.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import threading
 
 import ray
 from ray import serve
-from ray.serve.deployment import Application
 
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
 from conveyor.replicas.deployments import build_application
@@ -66,13 +64,3 @@ def run_replicas(config: EngineConfig, server: ServerConfig, replicas: ReplicaCo
             signal.signal(sig, handler)
     return 0
 
-
-def app_builder(args: dict[str, str]) -> Application:
-    """The application from `conveyor serve` flags given as key=value (for `serve run`)."""
-    from conveyor.cli import parse_args, serve_configs
-
-    argv = ["serve"]
-    for key, value in args.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    config, server, replicas = serve_configs(parse_args(argv))
-    return build_application(config, server, replicas or ReplicaConfig())

@@ -18,7 +18,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.replicas.routing import ROUTING_BLOCKS, RoutingKey, prefix_key
 from conveyor.server.chat_tools import template_input
-from conveyor.server.protocol import ChatCompletionRequest
+from conveyor.server.request_schemas import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

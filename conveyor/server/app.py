@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
 from conveyor.errors import (
     ConveyorError,
@@ -37,7 +38,8 @@ from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
 from conveyor.server.live_view import EVENTS_PATH, add_dashboard
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -47,7 +49,6 @@ from conveyor.server.responses import (
     ModelCard,
     ModelList,
 )
-from conveyor.server.serving import OpenAIServing
 from conveyor.server.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -59,7 +60,6 @@ from conveyor.server.tokenization import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
 _PROBE_PATHS = ("/health", "/metrics", EVENTS_PATH)   # never refused by the concurrency cap
 
@@ -111,16 +111,15 @@ class RequestGuard:
     so disconnects are still seen.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
-                 protect_metrics: bool = False, max_concurrency: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
         self.app = app
-        self.max_concurrency = max_concurrency
+        self.max_concurrency = server.max_concurrency
         self.num_in_progress = 0
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected_auth = f"Bearer {server.api_key}".encode() if server.api_key is not None else None
         keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
-        self.protected_paths = (*keyed, "/metrics") if protect_metrics else keyed
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
+        self.protected_paths = (*keyed, "/metrics") if server.protect_metrics else keyed
+        self.max_body_bytes = server.max_body_bytes
+        self.body_timeout_s = server.body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
@@ -210,24 +209,21 @@ class RequestGuard:
         await response(scope, receive, send)
 
 
-def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_chars: int | None = None,
-              body_timeout_s: float = 30.0, protect_metrics: bool = False, enable_docs: bool = True,
-              max_concurrency: int | None = None, stats_log_interval_s: float = 0.0,
-              state_dir: Path | None = None, enable_dashboard: bool = True,
-              max_waiting_requests: int | None = None) -> FastAPI:
-    """The app serves `model_name`; its lifespan starts the core client and stops it at the end.
+def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) -> FastAPI:
+    """The app serves `model_name` as `server` says (its host, port and connection timeouts are
+    uvicorn's); its lifespan starts the core client and stops it at the end.
 
     The API key guards /v1/*, /tokenize, /detokenize and the live view's stream (and /metrics with
     `protect_metrics`); /health stays open. `enable_docs` False removes /openapi.json and /docs;
     `enable_dashboard` False removes the live view (/ and /dashboard*).
     """
-    metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=stats_log_interval_s)
+    api_key = server.api_key
+    metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=server.stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
-    serving = OpenAIServing(async_engine, model_name, max_prompt_chars)
+    serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars)
     created = int(time.time())
 
-    batch_store = BatchStore(state_dir)
+    batch_store = BatchStore(None if server.state_dir is None else Path(server.state_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -243,19 +239,18 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     # so it works on a machine without internet; ReDoc has no such package and is left out.
     app = FastAPI(title="conveyor", summary="OpenAI-compatible LLM server built around continuous batching",
                   version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  **({} if enable_docs else {"openapi_url": None}))
-    if enable_docs:
+                  **({} if server.enable_docs else {"openapi_url": None}))
+    if server.enable_docs:
         add_offline_docs(app)
     app.state.metrics = metrics
     app.state.live_view = None
-    if enable_dashboard:
+    if server.enable_dashboard:
         app.state.live_view = add_dashboard(app, async_engine, model_name, {
-            "api_key_required": api_key is not None, "max_waiting_requests": max_waiting_requests,
-            "max_concurrency": max_concurrency})
+            "api_key_required": api_key is not None, "max_waiting_requests": server.max_waiting_requests,
+            "max_concurrency": server.max_concurrency})
     app.state.engine = async_engine
     app.state.serving = serving
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                       protect_metrics=protect_metrics, max_concurrency=max_concurrency)
+    app.add_middleware(RequestGuard, server=server)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> JSONResponse:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from conveyor.errors import InvalidRequest, NotFound
 from conveyor.server.batch_store import BatchStore, PendingLine
-from conveyor.server.run_batch import BATCH_URLS, BatchLine, result_line
+from conveyor.server.batch_format import BATCH_URLS, BatchLine, result_line
 
 logger = logging.getLogger(__name__)
 

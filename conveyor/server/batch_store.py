@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conveyor.server.run_batch import BATCH_URLS, parse_line
+from conveyor.server.batch_format import BATCH_URLS, parse_line, result_line
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -81,8 +81,6 @@ class BatchStore:
     def add_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                   metadata: dict[str, str] | None) -> dict[str, Any]:
         """Split the input file into lines (bad ones are answered at once with their error)."""
-        from conveyor.server.run_batch import result_line
-
         content = self.file_content(input_file_id) or b""
         batch_id = f"batch_{uuid.uuid4().hex}"
         rows = []

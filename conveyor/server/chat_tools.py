@@ -18,14 +18,12 @@ call as OpenAI's does. `auto` is parsed from the output (tool_calls.py).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from conveyor.engine.structured_output import json_schema_refusal
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from conveyor.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
 
 DEFAULT_TOOLS_PROMPT = (
     "You may call one or more functions to answer the user. The functions are described in JSON "

@@ -1,20 +1,12 @@
 """`conveyor run-batch`: a file of OpenAI batch requests through the engine, results as they finish.
 
-Input lines are OpenAI's batch format (the lines `vllm run-batch` reads):
-
-    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-
-Each request goes through the same OpenAI app the server runs (validation, chat templates,
-structured outputs, errors), called in process over httpx's ASGI transport, so a batch line and an
-HTTP request behave alike. Output lines are OpenAI's batch output:
-
-    {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": ..., "body": {...}},
-     "error": null}
-
-written (and flushed) as each request finishes, in finishing order. A line that is not a valid
-request gets one line with its `error` (and the 4xx response, when the API refused it); the rest of
-the file still runs. Run again with the same output file, requests whose custom_id is already
-there are skipped, so an interrupted batch resumes where it stopped.
+The lines are OpenAI's batch format (batch_format.py). Each request goes through the same OpenAI
+app the server runs (validation, chat templates, structured outputs, errors), called in process
+over httpx's ASGI transport, so a batch line and an HTTP request behave alike. Results are written
+(and flushed) as each request finishes, in finishing order. A line that is not a valid request gets
+one line with its `error` (and the 4xx response, when the API refused it); the rest of the file
+still runs. Run again with the same output file, requests whose custom_id is already there are
+skipped, so an interrupted batch resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -22,48 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.server.batch_format import BatchLine, parse_line, result_line
 
 logger = logging.getLogger(__name__)
-
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
-
-
-@dataclass(slots=True)
-class BatchLine:
-    number: int                      # 1-based line number in the input file
-    custom_id: str
-    url: str | None = None
-    body: dict[str, Any] | None = None
-    error: str | None = None         # why the line is not a request
-
-
-def parse_line(number: int, text: str) -> BatchLine:
-    try:
-        line = json.loads(text)
-    except ValueError as exc:
-        return BatchLine(number, f"line-{number}", error=f"line {number} is not valid JSON: {exc}")
-    if not isinstance(line, dict):
-        return BatchLine(number, f"line-{number}", error=f"line {number} is not a JSON object")
-    custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return BatchLine(number, f"line-{number}", error=f"line {number} has no custom_id string")
-    if line.get("method", "POST") != "POST":
-        return BatchLine(number, custom_id, error=f"method must be POST, got {line.get('method')!r}")
-    url, body = line.get("url"), line.get("body")
-    if url not in BATCH_URLS:
-        return BatchLine(number, custom_id, error=f"url must be one of {', '.join(BATCH_URLS)}, got {url!r}")
-    if not isinstance(body, dict):
-        return BatchLine(number, custom_id, error="body must be a JSON object")
-    if body.get("stream"):
-        return BatchLine(number, custom_id, error="stream is not supported in a batch")
-    return BatchLine(number, custom_id, url, body)
 
 
 def done_ids(path: Path) -> set[str]:
@@ -89,16 +47,6 @@ def read_lines(path: Path) -> Iterator[BatchLine]:
         for number, text in enumerate(f, start=1):
             if text.strip():
                 yield parse_line(number, text)
-
-
-def result_line(line: BatchLine, status: int | None, body: Any, error: str | None) -> str:
-    response = None if status is None else {"status_code": status, "request_id": f"req-{uuid.uuid4().hex}",
-                                            "body": body}
-    if error is None and status is not None and status >= 400:
-        error = (body.get("error") or {}).get("message") if isinstance(body, dict) else str(body)
-    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response,
-                       "error": None if error is None else {"code": str(status or "invalid_line"),
-                                                            "message": error}}, ensure_ascii=False) + "\n"
 
 
 async def run_lines(app: Any, lines: list[BatchLine], out: IO[str], concurrency: int, progress: Any) -> dict[str, int]:
@@ -146,7 +94,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, concurr
         return 0
     engine = LLMEngine(config)
     async_engine = AsyncEngine(ThreadCoreClient(engine.core), engine.tokenizer)
-    app = build_app(async_engine, engine.model_name, enable_dashboard=False)
+    # No live view and no periodic stats line: nobody watches this app but the progress bar.
+    app = build_app(async_engine, engine.model_name, ServerConfig(enable_dashboard=False, stats_log_interval_s=0.0))
     concurrency = concurrency or 2 * config.scheduler.max_num_seqs
 
     async def main() -> dict[str, int]:

@@ -16,8 +16,8 @@ import functools
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.errors import InvalidRequest
-from conveyor.server.protocol import ChatMessage
-from conveyor.server.serving import OpenAIServing
+from conveyor.server.chat_schemas import ChatMessage
+from conveyor.server.openai_serving import OpenAIServing
 
 _THREAD_DECODE_TOKENS = 16384
 

@@ -17,6 +17,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 regex = pytest.importorskip("regex")
 
+from conveyor.engine.gguf_vocab import tokenizer_from_gguf  # noqa: E402
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,7 +63,7 @@ def _gguf_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(_gguf_dir() / GGUF_NAME)
+    return tokenizer_from_gguf(_gguf_dir() / GGUF_NAME)
 
 
 @pytest.fixture(scope="module")

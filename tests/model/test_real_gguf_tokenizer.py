@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.gguf_metadata import read_gguf_metadata
 
@@ -46,7 +47,7 @@ TEXTS = [
 def pair(real_gguf: Path) -> tuple[Tokenizer, Any]:
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name)
-    return Tokenizer.from_gguf(real_gguf), theirs
+    return tokenizer_from_gguf(real_gguf), theirs
 
 
 def test_ids_equal_transformers(pair: tuple[Tokenizer, Any]) -> None:
@@ -73,7 +74,7 @@ def test_whitespace_runs_follow_llama_cpp(real_gguf: Path) -> None:
     if not runs:
         pytest.skip("the file has no user-defined whitespace tokens")
     longest = max(runs)
-    ours = Tokenizer.from_gguf(real_gguf)
+    ours = tokenizer_from_gguf(real_gguf)
     x, y = ours.encode("x", add_special_tokens=False), ours.encode("y", add_special_tokens=False)
     text = "x" + " " * (longest + 9) + "y"
     assert ours.encode(text, add_special_tokens=False) == [*x, runs[longest], runs[9], *y]

@@ -8,9 +8,9 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 
 from ray.serve.deployment import Deployment  # noqa: E402
 
+from conveyor.cli import ray_serve_app  # noqa: E402
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig  # noqa: E402
 from conveyor.replicas.deployments import build_application  # noqa: E402
-from conveyor.replicas.launch import app_builder  # noqa: E402
 from conveyor.replicas.router import PrefixAffinityRouter  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -41,7 +41,7 @@ def test_autoscaling_bounds_go_to_ray_serves_autoscaler() -> None:
 
 
 def test_serve_run_builder_takes_the_serve_flags() -> None:
-    ingress = app_builder({"model": "/models/m.gguf", "replicas": 2, "threads": 1, "max_num_seqs": 4})
+    ingress = ray_serve_app({"model": "/models/m.gguf", "replicas": 2, "threads": 1, "max_num_seqs": 4})
     engine = ingress._bound_deployment.init_args[0]._bound_deployment
     config = engine.init_args[0]
     assert engine.num_replicas == 2 and config.model.model == "/models/m.gguf" and config.scheduler.max_num_seqs == 4

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.engine import LLMEngine
-from conveyor.server.serve import ConveyorServer, build_server
+from conveyor.server.api_server import ConveyorServer, build_server
 
 API_KEY = "test-key-123"
 SMALL_ENGINE = dict(threads=2, kv_cache_memory="64MiB", max_num_batched_tokens=512)

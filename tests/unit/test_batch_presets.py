@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.cli import build_parser, engine_options
+from conveyor.cli.flags import build_parser, engine_options
 from conveyor.config import BATCH_PRESETS, EngineConfig, SchedulerConfig
 
 

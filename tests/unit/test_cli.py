@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conveyor import __version__
-from conveyor.cli import engine_options, parse_args
+from conveyor.cli.flags import engine_options, parse_args
 
 
 def test_positional_model_and_llama_cpp_aliases() -> None:
@@ -108,7 +108,7 @@ def test_sharing_and_batch_flags() -> None:
 def test_readme_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
     from pathlib import Path
 
-    from conveyor.cli import build_parser
+    from conveyor.cli.flags import build_parser
     from conveyor.config import CacheConfig
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()

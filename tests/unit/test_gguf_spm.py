@@ -14,6 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.gguf_spm import spm_merges
+from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.engine.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -120,7 +121,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     add_dummy_prefix, split_by_whitespace = request.param
     sp = _train(add_dummy_prefix, split_by_whitespace)
     path = _write_gguf(tmp_path_factory.mktemp("spm") / "t.gguf", sp, add_dummy_prefix)
-    return Tokenizer.from_gguf(path), sp, add_dummy_prefix
+    return tokenizer_from_gguf(path), sp, add_dummy_prefix
 
 
 @pytest.mark.parametrize("text", HARD)
@@ -198,7 +199,7 @@ def test_gemma_style_file(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tok = Tokenizer.from_gguf(tmp_path / "g.gguf")
+    tok = tokenizer_from_gguf(tmp_path / "g.gguf")
     assert tok.eos_token_ids == frozenset({1, 5}) and tok.bos_token_id == 2 and tok.add_bos
     vocab = {p: i for i, p in enumerate(pieces)}
     text = "<start_of_turn>user\nhi     hi<end_of_turn>\n"
@@ -216,7 +217,7 @@ def test_gemma_style_file(tmp_path: Path) -> None:
 
 def test_space_prefix_is_on_when_the_file_does_not_say(tmp_path: Path) -> None:
     sp = _train(True, True)
-    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", sp, None))
+    tok = tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", sp, None))
     assert tok.encode("hello world", add_special_tokens=False) == sp.encode("hello world")
 
 
@@ -229,4 +230,4 @@ def test_file_without_scores_is_refused(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match="no tokenizer.ggml.scores"):
-        Tokenizer.from_gguf(tmp_path / "t.gguf")
+        tokenizer_from_gguf(tmp_path / "t.gguf")

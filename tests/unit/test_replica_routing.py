@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from conveyor.config import ReplicaConfig
 from conveyor.core.block_manager import hash_block
-from conveyor.engine.tokenizer import load_tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.replicas.http_bridge import REPLICA_HEADER, ForwardedRequest, call_app
 from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix
@@ -155,7 +155,7 @@ def test_call_app_relays_messages_and_tells_the_app_when_the_caller_left() -> No
 
 
 def test_serve_flags_make_a_replica_config() -> None:
-    from conveyor.cli import parse_args, serve_configs
+    from conveyor.cli.flags import parse_args, serve_configs
 
     assert serve_configs(parse_args(["serve"]))[2] is None
     _, server, replicas = serve_configs(parse_args(["serve", "--replicas", "3", "--max-replicas", "5",

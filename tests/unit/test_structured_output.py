@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine.structured_output import GrammarCompiler, StructuredOutputs
-from conveyor.engine.tokenizer import load_tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.errors import InvalidRequest
 from conveyor.runtime.sampler import unpack_bitmask
 from conveyor.sampling_params import StructuredOutputsParams
@@ -104,3 +104,14 @@ def test_a_steps_masks_in_one_batched_fill_equal_each_rows_own(tokenizer, compil
     for request_id, drafts in (("json", []), ("re", []), ("choice", [char(tokenizer, "x")])):
         assert torch.equal(batched[request_id], structured.masks(request_id, drafts)), request_id
     assert allowed(batched["re"]) == [{char(tokenizer, "b"), char(tokenizer, "c")}]
+
+
+def test_a_loaded_tokenizer_is_used_until_the_compiler_is_built(tokenizer) -> None:
+    def load_again():
+        raise AssertionError("the tokenizer was loaded again")
+
+    compiler = GrammarCompiler(load_again, VOCAB)
+    compiler.use_tokenizer(lambda: tokenizer)
+    compiler.compile(StructuredOutputsParams(regex="a+"))
+    compiler.use_tokenizer(load_again)   # built already: the compiler keeps its vocabulary
+    compiler.compile(StructuredOutputsParams(regex="b+"))

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.engine.tokenizer_loader import tokenizer_from_hf_folder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -63,7 +65,7 @@ def _write_folder(
 
 @pytest.fixture
 def tok(tmp_path: Path, backend: BackendTokenizer) -> Tokenizer:
-    return Tokenizer.from_hf_folder(_write_folder(tmp_path / "tok", backend))
+    return tokenizer_from_hf_folder(_write_folder(tmp_path / "tok", backend))
 
 
 def _with_template(tok: Tokenizer, template: str) -> Tokenizer:
@@ -82,7 +84,7 @@ def _with_template(tok: Tokenizer, template: str) -> Tokenizer:
 
 def test_hf_folder_special_tokens_and_generation_config_eos(tmp_path: Path, backend: BackendTokenizer) -> None:
     folder = _write_folder(tmp_path, backend, generation_config={"eos_token_id": [2, 0]})
-    tok = Tokenizer.from_hf_folder(folder)
+    tok = tokenizer_from_hf_folder(folder)
     assert tok.bos_token == "<|im_start|>" and tok.bos_token_id == 1
     assert tok.eos_token == "<|im_end|>"
     assert tok.eos_token_ids == frozenset({0, 2})
@@ -92,7 +94,7 @@ def test_hf_folder_special_tokens_and_generation_config_eos(tmp_path: Path, back
 
 def test_generation_config_single_int_eos(tmp_path: Path, backend: BackendTokenizer) -> None:
     folder = _write_folder(tmp_path, backend, generation_config={"eos_token_id": 0})
-    assert Tokenizer.from_hf_folder(folder).eos_token_ids == frozenset({0, 2})
+    assert tokenizer_from_hf_folder(folder).eos_token_ids == frozenset({0, 2})
 
 
 def test_special_tokens_given_as_added_token_dicts(tmp_path: Path, backend: BackendTokenizer) -> None:
@@ -100,14 +102,14 @@ def test_special_tokens_given_as_added_token_dicts(tmp_path: Path, backend: Back
         "bos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
         "eos_token": {"content": "<|im_end|>"},
     }
-    tok = Tokenizer.from_hf_folder(_write_folder(tmp_path, backend, config=config))
+    tok = tokenizer_from_hf_folder(_write_folder(tmp_path, backend, config=config))
     assert tok.bos_token == "<|endoftext|>" and tok.bos_token_id == 0
     assert tok.eos_token_ids == frozenset({2})
 
 
 def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Tokenizer.from_hf_folder(tmp_path)
+        tokenizer_from_hf_folder(tmp_path)
 
 
 def test_no_bos_unless_configured(tok: Tokenizer) -> None:
@@ -117,7 +119,7 @@ def test_no_bos_unless_configured(tok: Tokenizer) -> None:
 
 
 def test_add_bos_token_flag(tmp_path: Path, backend: BackendTokenizer) -> None:
-    tok = Tokenizer.from_hf_folder(_write_folder(tmp_path, backend, config={"add_bos_token": True}))
+    tok = tokenizer_from_hf_folder(_write_folder(tmp_path, backend, config={"add_bos_token": True}))
     plain = tok.encode("hello world", add_special_tokens=False)
     assert tok.add_bos is True
     assert tok.encode("hello world") == [1, *plain]
@@ -129,7 +131,7 @@ def test_add_bos_detected_from_post_processor(tmp_path: Path) -> None:
     backend.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
     )
-    tok = Tokenizer.from_hf_folder(_write_folder(tmp_path, backend))
+    tok = tokenizer_from_hf_folder(_write_folder(tmp_path, backend))
     assert tok.add_bos is True
     # BOS comes from our own rule once, not again from the backend's post-processor.
     assert tok.encode("hi") == [1, *tok.encode("hi", add_special_tokens=False)]
@@ -253,11 +255,11 @@ def test_template_syntax_error_is_value_error(tok: Tokenizer) -> None:
 def test_chat_template_jinja_file_takes_precedence(tmp_path: Path, backend: BackendTokenizer) -> None:
     folder = _write_folder(tmp_path / "a", backend)
     (folder / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")
-    assert Tokenizer.from_hf_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "Jx"
+    assert tokenizer_from_hf_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "Jx"
 
     folder = _write_folder(tmp_path / "b", backend, config={"chat_template": None})
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": "S{{ messages | length }}"}))
-    assert Tokenizer.from_hf_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "S1"
+    assert tokenizer_from_hf_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "S1"
 
 
 # -- incremental detokenizer -------------------------------------------------------------------
@@ -340,7 +342,7 @@ def _write_gguf(path: Path, backend: BackendTokenizer, **overrides: object) -> P
 
 
 def test_gguf_matches_hf_folder(tmp_path: Path, backend: BackendTokenizer, tok: Tokenizer) -> None:
-    g = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, eot=0))
+    g = tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", backend, eot=0))
     assert g.vocab_size == tok.vocab_size
     assert g.bos_token_id == 1 and g.bos_token == "<|im_start|>" and g.eos_token == "<|im_end|>"
     assert g.eos_token_ids == frozenset({0, 2})
@@ -351,12 +353,12 @@ def test_gguf_matches_hf_folder(tmp_path: Path, backend: BackendTokenizer, tok: 
 
 
 def test_gguf_add_bos_metadata(tmp_path: Path, backend: BackendTokenizer) -> None:
-    g = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, add_bos=True))
+    g = tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", backend, add_bos=True))
     assert g.add_bos is True and g.encode("hello")[0] == 1
 
 
 def test_gguf_llama3_pre_tokenizer(tmp_path: Path, backend: BackendTokenizer) -> None:
-    g = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="llama-bpe"))
+    g = tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="llama-bpe"))
     assert g.add_bos is True  # llama.cpp's default for llama3-style vocabularies without the flag
     pieces = [p for p, _ in g.backend.pre_tokenizer.pre_tokenize_str("I'M 1234567 ok\n\n")]
     assert pieces == ["I", "'M", "Ġ", "123", "456", "7", "Ġok", "ĊĊ"]
@@ -365,7 +367,7 @@ def test_gguf_llama3_pre_tokenizer(tmp_path: Path, backend: BackendTokenizer) ->
 
 def test_gguf_qwen2_and_smollm_split_digits(tmp_path: Path, backend: BackendTokenizer) -> None:
     for pre in ("qwen2", "smollm"):
-        g = Tokenizer.from_gguf(_write_gguf(tmp_path / f"{pre}.gguf", backend, pre=pre))
+        g = tokenizer_from_gguf(_write_gguf(tmp_path / f"{pre}.gguf", backend, pre=pre))
         pieces = [p for p, _ in g.backend.pre_tokenizer.pre_tokenize_str("a 123")]
         assert pieces[-3:] == ["1", "2", "3"], pre
         assert g.add_bos is False
@@ -373,9 +375,9 @@ def test_gguf_qwen2_and_smollm_split_digits(tmp_path: Path, backend: BackendToke
 
 def test_gguf_unknown_pre_is_refused_by_name(tmp_path: Path, backend: BackendTokenizer) -> None:
     with pytest.raises(ValueError, match=r"pre-tokenizer 'mystery-pre' is not supported; supported: .*\bqwen2\b"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="mystery-pre"))
+        tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", backend, pre="mystery-pre"))
 
 
 def test_gguf_unknown_model_is_refused_by_name(tmp_path: Path, backend: BackendTokenizer) -> None:
     with pytest.raises(ValueError, match=r"model 't5' is not supported; supported: 'gpt2' .*'llama'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="t5"))
+        tokenizer_from_gguf(_write_gguf(tmp_path / "t.gguf", backend, model="t5"))

@@ -24,7 +24,8 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
+from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
     ChatChoice,

@@ -16,7 +16,6 @@ import logging
 import signal
 import socket
 import time
-from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -27,10 +26,11 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.core_process import ProcessCoreClient, core_config
 from conveyor.engine.engine import LLMEngine
-from conveyor.engine.tokenizer import Tokenizer, load_tokenizer
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.model.loader import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
-from conveyor.server.http_protocol import header_timeout_protocol
+from conveyor.server.header_timeout import header_timeout_protocol
 from conveyor.server.live_view import LiveView
 
 logger = logging.getLogger(__name__)
@@ -108,12 +108,7 @@ def build_app_over(client: CoreClient, tokenizer: Tokenizer, model_name: str,
     """The AsyncEngine front over a core client, and the app that serves it (without uvicorn)."""
     async_engine = AsyncEngine(client, tokenizer, max_waiting_requests=server.max_waiting_requests,
                                max_requests_per_tenant=server.max_requests_per_tenant)
-    app = build_app(async_engine, model_name, api_key=server.api_key, max_body_bytes=server.max_body_bytes,
-                    max_prompt_chars=server.max_prompt_chars, body_timeout_s=server.body_timeout_s,
-                    protect_metrics=server.protect_metrics, enable_docs=server.enable_docs,
-                    max_concurrency=server.max_concurrency, stats_log_interval_s=server.stats_log_interval_s,
-                    state_dir=None if server.state_dir is None else Path(server.state_dir),
-                    enable_dashboard=server.enable_dashboard, max_waiting_requests=server.max_waiting_requests)
+    app = build_app(async_engine, model_name, server)
     return async_engine, app
 
 

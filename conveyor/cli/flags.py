@@ -1,31 +1,25 @@
-"""`conveyor generate | serve`: command-line flags -> EngineConfig; the only place that configures logging."""
+"""The `conveyor` command's flags: the parser of each subcommand, and flags -> configs."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
-import sys
-import time
 from collections.abc import Sequence
-from typing import NoReturn
 
 from conveyor import __version__
 from conveyor.config import (
     BATCH_PRESETS,
+    DEFAULT_BATCH_PRESET,
     DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     ReplicaConfig,
     ServerConfig,
     SpeculativeConfig,
 )
-from conveyor.errors import ConveyorError
-
-logger = logging.getLogger("conveyor.cli")
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's spellings
 
@@ -34,20 +28,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", "-m", default=None,
                        help="GGUF file or Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="auto",
+    group.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default=ModelConfig.dtype,
                        help="working dtype of weights, activations and KV cache; auto: bfloat16 where the CPU has "
                             "native bf16 dot products (AVX-512 BF16), float32 elsewhere; half = float16, "
                             "float = float32")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, or the template itself, instead of the model's own")
-    group.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=ModelConfig.quantization,
                        help="auto: a GGUF file runs in its own formats (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K "
                             "kept; other quantized types requantized to Q8_0), a folder as loaded; none: weights "
                             "as loaded (GGUF dequantized to float); int8: linear layers in int8 (blocks of 32) from "
                             "any checkpoint; gguf: auto, refusing folders")
     group.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default="balanced",
+    group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
+    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=DEFAULT_BATCH_PRESET,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
                             "together; those flags, when given, win")
     group.add_argument("--target-itl-ms", type=float, default=None,
@@ -65,7 +59,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prefill-max-slowdown", type=float, default=None,
                        help="while others decode, a long prompt's chunks lengthen a step by at most this fraction "
                             "of its decode time; 0 = no cap (default: 0.3)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ModelConfig.tensor_parallel_size,
                        help="split every layer over this many processes (gloo, on this machine); it pays where a "
                             "model does not fit one process's memory or there are more cores than one rank uses")
     group.add_argument("--max-model-len", "-c", type=int, default=None,
@@ -74,7 +68,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="memory for the KV cache, e.g. 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=CacheConfig.enable_prefix_caching,
                        help="reuse the KV blocks of shared prompt prefixes (--no-enable-prefix-caching: recompute "
                             "them)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -226,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=DefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as in `vllm serve MODEL` (the same as --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
+    serve.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    serve.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     serve.add_argument("--protect-metrics", action="store_true",
@@ -252,20 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
                             "fits can pass)")
-    serve.add_argument("--header-timeout", type=float, default=10.0,
+    serve.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
                        help="seconds a connection has to send a request's headers before it is closed")
-    serve.add_argument("--body-timeout", type=float, default=30.0,
+    serve.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
                        help="seconds a request has to send its body before it gets a 408")
-    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
+    serve.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout_s,
                        help="seconds an idle keep-alive connection stays open")
     serve.add_argument("--max-concurrency", type=int, default=None,
                        help="most requests in progress at once, streams included; past it new ones get 503 "
                             "with Retry-After (/health and /metrics are never refused; default: no cap)")
-    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--disable-log-stats", dest="log_stats", action="store_false",
-                       help="no periodic Running / Waiting / KV cache / throughput line (default: every 10 s "
-                            "while there is work)")
+                       help=f"no periodic Running / Waiting / KV cache / throughput line (default: every "
+                            f"{ServerConfig.stats_log_interval_s:g} s while there is work)")
     serve.add_argument("--seed", type=int, default=None,
                        help="seed the sampling of requests that bring no seed of their own, so a server restarted "
                             "with the same requests gives the same answers (default: random)")
@@ -302,62 +297,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _UvicornNames(logging.Filter):
-    """uvicorn logs its server's life (start-up, the address, shutdown) under `uvicorn.error` whatever
-    the level; those lines are shown as `uvicorn`, and its access lines stay `uvicorn.access`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "uvicorn.error":
-            record.name = "uvicorn"
-        return True
-
-
-def configure_logging(level: str | None, default: str) -> None:
-    logging.basicConfig(level=(level or default).upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_UvicornNames())
-
-
-def generate(args: argparse.Namespace) -> int:
-    from conveyor.engine.engine import LLMEngine
-    from conveyor.config import EngineConfig
-    from conveyor.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
-    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
-    if args.raw:
-        prompt: str | list[int] = args.prompt
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    request_id = engine.add_request(prompt, params)
-    finished = None
-    while finished is None:
-        for output in engine.step():
-            if output.request_id != request_id:
-                continue
-            sys.stdout.write(output.new_text)
-            sys.stdout.flush()
-            if output.finished:
-                finished = output
-    sys.stdout.write("\n")
-    if finished.error:
-        print(f"error: {finished.error}", file=sys.stderr)
-        return 1
-    metrics = finished.metrics
-    if metrics is not None and metrics.first_token_s is not None and metrics.finished_s is not None:
-        decode_s = metrics.finished_s - metrics.first_token_s
-        rate = (metrics.num_output_tokens - 1) / decode_s if decode_s > 0 else float("nan")
-        logger.info("%d prompt tokens, %d output tokens, TTFT %.3f s, decode %.1f tokens/s, finish %s",
-                    metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.ttft_s, rate,
-                    finished.finish_reason)
-    return 0
-
-
 def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, ReplicaConfig | None]:
     """The serve flags as configs; the replica config is None unless a replica flag was given."""
     config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name,
@@ -367,7 +306,8 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
-                          enable_docs=args.enable_docs, stats_log_interval_s=10.0 if args.log_stats else 0.0,
+                          enable_docs=args.enable_docs,
+                          stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
                           state_dir=args.state_dir, enable_dashboard=args.enable_dashboard)
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
@@ -379,71 +319,3 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                              ray_address=args.ray_address)
     return config, server, replicas
-
-
-def serve(args: argparse.Namespace) -> int:
-    config, server, replicas = serve_configs(args)
-    if replicas is not None:
-        try:
-            from conveyor.replicas.launch import run_replicas
-        except ImportError as exc:
-            raise ValueError(f"--replicas needs Ray Serve: pip install 'conveyor[ray]' ({exc})") from None
-        return run_replicas(config, server, replicas)
-    began = time.perf_counter()
-    started = None
-    if server.core_process:
-        # The engine core starts now (Python, torch, the weights) while this process imports the server.
-        from conveyor.engine.core_process import ProcessCoreClient, core_config
-
-        started = ProcessCoreClient(core_config(config), logging.getLogger().getEffectiveLevel())
-    from conveyor.server.serve import run_server
-
-    return run_server(config, server, started, began)
-
-
-def run_batch_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from conveyor.config import EngineConfig
-    from conveyor.server.run_batch import run_batch
-
-    input_path = Path(args.input_file)
-    if not input_path.is_file():
-        raise ValueError(f"input file not found: {input_path}")
-    config = EngineConfig.from_options(**engine_options(args), served_model_name=args.served_model_name)
-    return run_batch(config, input_path, Path(args.output_file), args.max_concurrent_requests)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Exit once the server has stopped and joined everything it started.
-
-    The interpreter's own teardown (torch's modules and their finalizers) adds half a second on an
-    idle machine and seconds on a busy one, after shutdown has already finished; nothing is left
-    for it to do.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level, "INFO" if args.command == "serve" else "WARNING")
-    try:
-        if args.command == "generate":
-            return generate(args)
-        if args.command == "serve":
-            _exit_now(serve(args))
-        if args.command == "run-batch":
-            return run_batch_command(args)
-    except (ConveyorError, ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

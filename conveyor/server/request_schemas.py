@@ -6,24 +6,17 @@ states it and a bad value is a 400 naming the field. `SamplingParams` checks the
 the offline API, plus those that span fields (min_tokens <= max_tokens); checks that need the
 model (token ids inside the vocabulary, the context length) are admission's. A request field
 conveyor does not act on is a 400 naming it, never silently ignored: OpenAI fields it does not
-support say why, unknown fields say so (the README has the table of every field).
+support say why, unknown fields say so (the README has the table of every field). A chat's
+messages and tools have their schemas in chat_schemas.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from conveyor.errors import InvalidRequest
-from conveyor.server.chat_tools import tool_choice_constraint
 from conveyor.sampling_params import (
     MAX_CHOICES,
     MAX_LOGPROBS,
@@ -36,11 +29,12 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from conveyor.server.chat_schemas import REQUEST_CONFIG, ChatMessage, NamedToolChoice, Text, ToolDefinition
+from conveyor.server.chat_tools import tool_choice_constraint
 
 # ---------------------------------------------------------------------------------------------
 # Requests
 
-_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 # Top-level request bodies keep unknown fields so that each can be refused by name (check_fields).
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 
@@ -63,28 +57,17 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[object, ...]]] = {
 MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 
 
-def _valid_unicode(text: str) -> str:
-    """JSON can carry a lone surrogate (\\ud800) that no tokenizer can encode; refuse it here."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {exc.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    model_config = _REQUEST_CONFIG
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = _REQUEST_CONFIG
+    model_config = REQUEST_CONFIG
 
     name: Annotated[str, Field(max_length=64)] = "response"
     description: str | None = None
@@ -93,7 +76,7 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = _REQUEST_CONFIG
+    model_config = REQUEST_CONFIG
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -293,88 +276,6 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         return self._sampling_params(self.max_tokens, self.logprobs)
-
-
-class TextContentPart(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCallIn(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    name: Text
-    arguments: Text = Field(description="the arguments as a JSON text, as OpenAI sends them")
-
-
-class ToolCallIn(BaseModel):
-    """An earlier assistant turn's tool call, sent back with the conversation."""
-
-    model_config = _REQUEST_CONFIG
-
-    id: Text | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextContentPart] | None = None
-    name: Text | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: Text | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """An image or audio part gets one plain sentence, not the union's every complaint."""
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"content parts of type {kind!r} are not supported by this model, "
-                                     f"which reads text only")
-        return content
-
-    @property
-    def text(self) -> str | None:
-        """Text parts are joined with newlines, as vLLM does, since templates expect a string."""
-        if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
-        return self.content
-
-
-class FunctionDefinition(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; omitted means no arguments")
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    name: Text
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    header_timeout_s: float = 10.0
+    header_timeout_s: float   # set per server by header_timeout_protocol
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
