@@ -18,6 +18,7 @@ system go to --out-dir.
 from __future__ import annotations
 
 import argparse
+import shlex
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,8 @@ def run_system(name: str, args: argparse.Namespace, model: Path, rates: list[flo
     ctx_per_slot = args.max_prompt + args.output_tokens + 16
     if name == "conveyor":
         configs = {"conveyor": lambda port: servers.conveyor_command(
-            port, model=str(model), threads=args.threads, dtype=None, quantization=None)}
+            port, model=str(model), threads=args.threads, dtype=None, quantization=None,
+            extra=shlex.split(args.conveyor_args))}
     else:
         assert llama is not None
         configs = {f"llama-server -np {p}": (lambda port, p=p: llama.command(
@@ -165,6 +167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--conveyor-args", default="", help="further `conveyor serve` flags, e.g. '--target-itl-ms 100'")
     p.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)), help="the ladder, req/s, ascending")
     p.add_argument("--ttft-ms", type=float, default=2000.0)
     p.add_argument("--tpot-ms", type=float, default=150.0)

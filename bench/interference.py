@@ -15,6 +15,7 @@ gap against time go to --out-dir.
 from __future__ import annotations
 
 import argparse
+import shlex
 import asyncio
 import json
 import time
@@ -70,11 +71,12 @@ async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int) -> 
         long_task = asyncio.create_task(_stream(client, url, long_prompt, 1, long_times, long_first))
         await asyncio.wait_for(long_first.wait(), timeout=args.timeout_s)
         long_first_s = time.perf_counter()
+        ended_early = any(task.done() for task in streams)
         await asyncio.sleep(args.after_s)
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, long_task, return_exceptions=True)
-    if any(len(t) < 2 or t[-1] < long_first_s for t in times):
+    if ended_early:
         raise RuntimeError("a stream ended before the long prompt's prefill did: raise --stream-tokens")
     gaps = [(b - start, b - a) for t in times for a, b in zip(t, t[1:])]
     before = [g for end, g in gaps if steady - start < end <= long_sent - start]
@@ -98,7 +100,8 @@ def run_system(name: str, args: argparse.Namespace, model: Path, vocab_high: int
                llama: servers.LlamaCpp | None) -> dict:
     port = servers.free_port()
     if name == "conveyor":
-        cmd = servers.conveyor_command(port, model=str(model), threads=args.threads, dtype=None, quantization=None)
+        cmd = servers.conveyor_command(port, model=str(model), threads=args.threads, dtype=None, quantization=None,
+                                          extra=shlex.split(args.conveyor_args))
     else:
         assert llama is not None
         ctx = max(args.long_prompt, args.stream_prompt + args.stream_tokens) + 16
@@ -149,6 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--conveyor-args", default="", help="further `conveyor serve` flags, e.g. '--target-itl-ms 100'")
     p.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")
     p.add_argument("--stream-prompt", type=int, default=64, help="their prompt tokens")
     p.add_argument("--stream-tokens", type=int, default=4096, help="their output budget (cut off at the end)")

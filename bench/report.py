@@ -97,25 +97,24 @@ def table(results: dict[str, dict], base_key: str | None) -> str:
             f"{_fmt(itl.get('p50'), 0):>8s} {_fmt(itl.get('p99'), 0):>8s} {_fmt(tpot.get('mean'), 0):>7s} "
             f"{_fmt(ratio, 2) + 'x' if ratio else '-':>9s}")
     lines.append("latencies in ms; TPOT is the mean; conveyor÷ = conveyor's output tokens/s / the row's "
-                 f"(base: {base_key}; none for Poisson rows, whose throughput the arrival rate sets)")
+                 f"(base: {base_key})")
     return "\n".join(lines)
 
 
 def add_ratios(results: dict[str, dict], base_key: str | None) -> None:
     base = results.get(base_key) if base_key else None
     for fig in results.values():
-        if base and fig.get("output_tokens_per_s") and not fig.get("rate_req_s"):   # Poisson: paced by arrivals
+        if base and fig.get("output_tokens_per_s"):
             fig["ratio_conveyor_to_this"] = base["output_tokens_per_s"] / fig["output_tokens_per_s"]
 
 
 def best(results: dict[str, dict], prefix: str) -> tuple[str, dict] | None:
-    runs = [(k, v) for k, v in results.items() if k.startswith(prefix) and v.get("output_tokens_per_s")
-            and "/poisson" not in k]
+    runs = [(k, v) for k, v in results.items() if k.startswith(prefix) and v.get("output_tokens_per_s")]
     return max(runs, key=lambda kv: kv[1]["output_tokens_per_s"]) if runs else None
 
 
-def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: dict | None, peer_family: str,
-          poisson_key: str | None) -> list[dict]:
+def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: dict | None,
+          peer_family: str) -> list[dict]:
     """Where conveyor stands on each target of the issue; a target whose peer did not run is 'not measured'.
 
     peer_family: the llama-server family on the same weights (llama-server-f32; -q8_0 for int8, -q4_1 for gguf)."""
@@ -162,13 +161,6 @@ def goals(results: dict[str, dict], base_key: str, floor: dict | None, single: d
             value = fig["output_tokens_per_s"] / peer[1]["output_tokens_per_s"]
             out.append({"goal": f"conveyor serve c{c} vs best llama-server {peer_name} -np", "target": ">= 1.3x",
                         "value": f"{value:.2f}x ({peer[0]})", "met": value >= 1.3})
-    poisson = results.get(poisson_key) if poisson_key else None
-    if poisson and not poisson.get("skipped"):
-        at = f" at {poisson['rate_req_s']:.2f} req/s"
-        out.append({"goal": "Poisson at 80% of peak: p99 TTFT", "target": "<= 2000 ms",
-                    "value": f"{poisson['ttft_ms']['p99']:.0f} ms{at}", "met": poisson["ttft_ms"]["p99"] <= 2000})
-        out.append({"goal": "Poisson at 80% of peak: p99 ITL", "target": "<= 250 ms",
-                    "value": f"{poisson['itl_ms']['p99']:.0f} ms{at}", "met": poisson["itl_ms"]["p99"] <= 250})
     return out
 
 
@@ -194,8 +186,7 @@ def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> 
     files = []
     families: dict[str, list[tuple[int, float]]] = {}
     for key, res in results.items():
-        if (res.get("skipped") or not res.get("output_tokens_per_s") or res.get("concurrency") is None
-                or res.get("rate_req_s")):   # a Poisson run's throughput is its arrival rate's
+        if res.get("skipped") or not res.get("output_tokens_per_s") or res.get("concurrency") is None:
             continue
         families.setdefault(key.split("/")[0], []).append((res["concurrency"], res["output_tokens_per_s"]))
     if families:

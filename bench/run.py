@@ -59,8 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "-q4_1; default: none, with --model FILE.gguf conveyor's own default)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="transformers static batch sizes (best reported)")
     p.add_argument("--hf-cb-batch-tokens", default="256,512", help="generate_batch max_batch_tokens (best reported)")
-    p.add_argument("--poisson-rate", default="auto",
-                   help="req/s of the Poisson serving run; auto = 80%% of conveyor-server's peak; off = none")
     p.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
     p.add_argument("--goodput-tpot-ms", type=float, default=250.0)
     p.add_argument("--single-requests", type=int, default=4,
@@ -123,13 +121,11 @@ class Runner:
         bar = tqdm(total=len(self.requests), desc=desc, unit="req", leave=False, disable=None)
         return bar, lambda: bar.update(1)
 
-    def serve(self, key: str, base_url: str, requests: list[OfflineRequest], concurrency: int | None,
-              rate: float | None = None) -> dict:
+    def serve(self, key: str, base_url: str, requests: list[OfflineRequest], concurrency: int | None) -> dict:
         run_serving(base_url, self.warmup, seed=self.args.seed)
         bar, tick = self.progress(key)
         with bar:
-            run = run_serving(base_url, requests, rate=rate, seed=self.args.seed, logprobs=self.args.logprobs,
-                              on_done=tick)
+            run = run_serving(base_url, requests, seed=self.args.seed, logprobs=self.args.logprobs, on_done=tick)
         fig = summarize(run, *self.slo)
         fig.update(kind="serving", concurrency=concurrency)
         self.samples[key] = samples(run)
@@ -156,16 +152,16 @@ class Runner:
         del llm
         gc.collect()
 
-    def conveyor_server(self, concurrency: int, rate: float | None = None) -> dict:
+    def conveyor_server(self, concurrency: int) -> dict:
         a = self.args
         port = servers.free_port()
         cmd = servers.conveyor_command(port, model=a.model, threads=a.threads, max_num_seqs=concurrency,
                                        max_num_batched_tokens=a.max_num_batched_tokens,
                                        kv_cache_memory=a.kv_cache_memory, dtype=a.conveyor_dtype,
                                        quantization=a.conveyor_quantization)
-        key = f"conveyor-server/{'poisson' if rate else f'c{concurrency}'}"
+        key = f"conveyor-server/c{concurrency}"
         with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
-            fig = self.serve(key, server.base_url, self.requests, concurrency, rate)
+            fig = self.serve(key, server.base_url, self.requests, concurrency)
         fig["command"] = shlex.join(cmd)
         return fig
 
@@ -189,17 +185,14 @@ class Runner:
                                         for family, path in made.items()}
         return llama, {**ggufs, "llama-server-q4_1": default_model_path()}
 
-    def llama_server(self, llama: servers.LlamaCpp, family: str, gguf: Path, parallel: int,
-                     rate: float | None = None) -> dict:
+    def llama_server(self, llama: servers.LlamaCpp, family: str, gguf: Path, parallel: int) -> dict:
         port = servers.free_port()
         longest = max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
         cmd = llama.command(port, gguf, parallel=parallel, ctx_per_slot=longest, threads=self.args.threads)
-        key = f"{family}/{'poisson' if rate else f'p{parallel}'}"
+        key = f"{family}/p{parallel}"
         with servers.launched(cmd, port, self.log_dir / f"{key.replace('/', '_')}.log") as server:
-            fig = self.serve(key, server.base_url, self.requests, parallel, rate)
+            fig = self.serve(key, server.base_url, self.requests, parallel)
         fig["command"] = shlex.join(cmd)
-        if rate:
-            fig["parallel"] = parallel
         return fig
 
     # ---------------------------------------------------------------- transformers
@@ -288,8 +281,7 @@ def run(args: argparse.Namespace) -> dict:
     hf_families = [f for f in families if f.startswith("hf-")]
     llama_runs = [(f, p) for f in families if f.startswith("llama") for p in runner.concurrency]
     total = (("conveyor" in families) + len(runner.conveyor_seqs) * ("conveyor-server" in families)
-             + len(llama_runs) + bool(hf_families) + (not args.no_limits)
-             + (args.poisson_rate != "off") * (("conveyor-server" in families) + (peer_family(args) in families)))
+             + len(llama_runs) + bool(hf_families) + (not args.no_limits))
     outer = tqdm(total=total, desc="systems", unit="run", disable=None)
 
     if not args.no_limits:
@@ -306,12 +298,6 @@ def run(args: argparse.Namespace) -> dict:
             outer.set_postfix_str(f"conveyor-server c{c}")
             runner.attempt(f"conveyor-server/c{c}", lambda c=c: runner.conveyor_server(c))
             outer.update(1)
-    poisson_rate = resolve_poisson_rate(args.poisson_rate, runner)
-    if poisson_rate and "conveyor-server" in families:
-        outer.set_postfix_str("conveyor-server poisson")
-        runner.attempt("conveyor-server/poisson",
-                       lambda: runner.conveyor_server(max(runner.conveyor_seqs), rate=poisson_rate))
-        outer.update(1)
     for family, parallel in llama_runs:
         outer.set_postfix_str(f"{family} p{parallel}")
         target = ggufs[family]
@@ -321,13 +307,6 @@ def run(args: argparse.Namespace) -> dict:
         else:
             runner.attempt(f"{family}/p{parallel}",
                            lambda f=family, t=target, p=parallel: runner.llama_server(llama, f, t, p))
-        outer.update(1)
-    peer = peer_family(args)
-    best_peer = report.best(runner.results, f"{peer}/")
-    if poisson_rate and best_peer and llama is not None:
-        outer.set_postfix_str(f"{peer} poisson")
-        runner.attempt(f"{peer}/poisson", lambda: runner.llama_server(
-            llama, peer, ggufs[peer], best_peer[1]["concurrency"], rate=poisson_rate))
         outer.update(1)
     if hf_families:
         outer.set_postfix_str("transformers")
@@ -341,21 +320,10 @@ def run(args: argparse.Namespace) -> dict:
             runner.transformers(hf_families, resolve_model_path(args.model))
         outer.update(1)
     outer.close()
-    return finish(args, runner, document, stamp, poisson_rate)
+    return finish(args, runner, document, stamp)
 
 
-def resolve_poisson_rate(text: str, runner: Runner) -> float | None:
-    if text == "off":
-        return None
-    if text != "auto":
-        return float(text)
-    peak = runner.results.get(f"conveyor-server/c{max(runner.conveyor_seqs)}") or runner.results.get("conveyor")
-    if not peak or not peak.get("requests_per_s"):
-        return None
-    return 0.8 * peak["requests_per_s"]
-
-
-def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str, poisson_rate: float | None) -> dict:
+def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str) -> dict:
     results = runner.results
     base_key = "conveyor" if results.get("conveyor", {}).get("output_tokens_per_s") else \
         f"conveyor-server/c{max(runner.conveyor_seqs)}"
@@ -377,12 +345,11 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str,
     single = dict(runner.single or {})
     peer = peer_family(args)
     llama_p1 = results.get(f"{peer}/p1", {})
-    document.update(results=results, base=base_key, poisson_rate_req_s=poisson_rate,
+    document.update(results=results, base=base_key,
                     single_request_decode={"conveyor": single or None,
                                            f"{peer}/p1_tok_s": 1000 / llama_p1["tpot_ms"]["mean"]
                                            if llama_p1.get("tpot_ms", {}).get("mean") else None},
-                    goals=report.goals(results, base_key, floor, runner.single, peer,
-                                       "conveyor-server/poisson" if poisson_rate else None),
+                    goals=report.goals(results, base_key, floor, runner.single, peer),
                     samples=runner.samples, finished=time.strftime("%Y-%m-%d %H:%M:%S %z"))
     out_json = args.out_dir / f"{stamp}.json"
     if not args.no_plots:

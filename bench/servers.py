@@ -140,8 +140,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs: int | None = None,
                      max_num_batched_tokens: int | None = None, kv_cache_memory: str | None = None,
-                     dtype: str | None = "float32", quantization: str | None = "none") -> list[str]:
-    """`conveyor serve` on a loopback port; an option given as None is left to conveyor's own default."""
+                     dtype: str | None = "float32", quantization: str | None = "none",
+                     extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """`conveyor serve` on a loopback port; an option given as None is left to conveyor's own default;
+    `extra`: further flags as they are written on the command line."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), "--log-level", "WARNING"]
     options = {"--dtype": dtype, "--quantization": quantization, "--max-num-seqs": max_num_seqs,
@@ -150,7 +152,7 @@ def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs
     for flag, value in options.items():
         if value is not None:
             cmd += [flag, str(value)]
-    return cmd
+    return cmd + list(extra)
 
 
 # ----------------------------------------------------------------------------- llama.cpp
