@@ -6,8 +6,10 @@
 Per system: --streams requests start decoding (short prompts, long outputs, streamed); once every one
 of them has streamed for --before-s seconds, one prompt of --long-prompt tokens arrives. The streams'
 inter-token gaps are split at the long prompt's arrival and at its first token: "before" (steady
-decoding) and "during" (its prefill). Reported: p50/p99 ITL before and during, their ratio, and the long
-prompt's TTFT. conveyor runs `conveyor serve` with its defaults; llama-server serves the same file with
+decoding) and "during" (its prefill). A control run then streams the same requests alone as long: its
+gaps at the same token positions show what the streams' growing contexts alone do to their pace.
+Reported: p50/p99 ITL before, during and in the control, the during/before and during/control p99
+ratios, and the long prompt's TTFT. conveyor runs `conveyor serve` with its defaults; llama-server serves the same file with
 one slot per request (-np streams + 1), each with room for the long prompt. JSON and a plot of every
 gap against time go to --out-dir.
 """
@@ -46,7 +48,9 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_to
                     first_token.set()
 
 
-async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int) -> dict:
+async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int, run_for_s: float | None = None) -> dict:
+    """The streams, then the long prompt; or, with `run_for_s`, the control: the same streams alone for
+    that long (the same token positions, without the long prompt)."""
     url = base_url.rstrip("/") + "/v1/completions"
     short = offline_workload(args.streams, args.stream_prompt, args.stream_prompt, args.stream_tokens,
                              vocab_high=vocab_high, seed=args.seed)
@@ -64,29 +68,48 @@ async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int) -> 
                 raise RuntimeError("a stream ended before every stream was decoding")
             await asyncio.sleep(0.01)
         steady = time.perf_counter()
-        await asyncio.sleep(args.before_s)
-        long_times: list[float] = []
-        long_first = asyncio.Event()
-        long_sent = time.perf_counter()
-        long_task = asyncio.create_task(_stream(client, url, long_prompt, 1, long_times, long_first))
-        await asyncio.wait_for(long_first.wait(), timeout=args.timeout_s)
-        long_first_s = time.perf_counter()
+        long_task = None
+        if run_for_s is None:
+            await asyncio.sleep(args.before_s)
+            long_first = asyncio.Event()
+            long_sent = time.perf_counter()
+            long_task = asyncio.create_task(_stream(client, url, long_prompt, 1, [], long_first))
+            await asyncio.wait_for(long_first.wait(), timeout=args.timeout_s)
+            long_first_s = time.perf_counter()
+        else:
+            await asyncio.sleep(run_for_s)
+            long_sent = long_first_s = time.perf_counter()
         ended_early = any(task.done() for task in streams)
         await asyncio.sleep(args.after_s)
         for task in streams:
             task.cancel()
-        await asyncio.gather(*streams, long_task, return_exceptions=True)
+        await asyncio.gather(*streams, *([long_task] if long_task else []), return_exceptions=True)
     if ended_early:
         raise RuntimeError("a stream ended before the long prompt's prefill did: raise --stream-tokens")
-    gaps = [(b - start, b - a) for t in times for a, b in zip(t, t[1:])]
-    before = [g for end, g in gaps if steady - start < end <= long_sent - start]
-    during = [g for end, g in gaps if long_sent - start < end <= long_first_s - start]
-    fig = {"itl_before_ms": _dist(before), "itl_during_ms": _dist(during),
-           "long_prompt_ttft_ms": (long_first_s - long_sent) * 1000, "num_gaps_before": len(before),
-           "num_gaps_during": len(during)}
+    return {"times": [[t - start for t in ts] for ts in times], "steady_s": steady - start,
+            "window_s": [long_sent - start, long_first_s - start]}
+
+
+def figures(run: dict, control: dict) -> dict:
+    """ITL before the long prompt and during its prefill; and the control's ITL over the same token
+    positions of each stream (what the streams' growing contexts alone do to their pace)."""
+    (sent, first), steady = run["window_s"], run["steady_s"]
+    before, during, matched = [], [], []
+    for ts, control_ts in zip(run["times"], control["times"]):
+        for i in range(1, len(ts)):
+            if steady < ts[i] <= sent:
+                before.append(ts[i] - ts[i - 1])
+            elif sent < ts[i] <= first:
+                during.append(ts[i] - ts[i - 1])
+                if i < len(control_ts):
+                    matched.append(control_ts[i] - control_ts[i - 1])
+    fig = {"itl_before_ms": _dist(before), "itl_during_ms": _dist(during), "itl_control_same_tokens_ms": _dist(matched),
+           "long_prompt_ttft_ms": (first - sent) * 1000, "num_gaps_before": len(before),
+           "num_gaps_during": len(during), "num_gaps_control": len(matched)}
     fig["p99_ratio"] = fig["itl_during_ms"]["p99"] / fig["itl_before_ms"]["p99"]
-    fig["gaps"] = [(round(end, 4), round(g * 1000, 2)) for end, g in gaps]
-    fig["window_s"] = [round(long_sent - start, 4), round(long_first_s - start, 4)]
+    fig["p99_ratio_to_control"] = fig["itl_during_ms"]["p99"] / fig["itl_control_same_tokens_ms"]["p99"]
+    fig["gaps"] = [(round(b, 4), round((b - a) * 1000, 2)) for ts in run["times"] for a, b in zip(ts, ts[1:])]
+    fig["window_s"] = [round(sent, 4), round(first, 4)]
     return fig
 
 
@@ -108,11 +131,15 @@ def run_system(name: str, args: argparse.Namespace, model: Path, vocab_high: int
         cmd = llama.command(port, model, parallel=args.streams + 1, ctx_per_slot=ctx, threads=args.threads)
     with servers.launched(cmd, port, args.log_dir / f"{name}.log") as server:
         asyncio.run(_measure(server.base_url, _warmup_args(args), vocab_high))   # warm, then measure
-        fig = asyncio.run(_measure(server.base_url, args, vocab_high))
+        run = asyncio.run(_measure(server.base_url, args, vocab_high))
+        control = asyncio.run(_measure(server.base_url, args, vocab_high, run_for_s=run["window_s"][1] - run["steady_s"]))
+    fig = figures(run, control)
     fig["command"] = cmd
     print(f"  {name:14s} ITL p50/p99 before {fig['itl_before_ms']['p50']:.0f}/{fig['itl_before_ms']['p99']:.0f} ms,"
           f" during {fig['itl_during_ms']['p50']:.0f}/{fig['itl_during_ms']['p99']:.0f} ms (p99 ratio "
-          f"{fig['p99_ratio']:.2f}x); long prompt TTFT {fig['long_prompt_ttft_ms']:.0f} ms", flush=True)
+          f"{fig['p99_ratio']:.2f}x; the same tokens without the long prompt "
+          f"{fig['itl_control_same_tokens_ms']['p50']:.0f}/{fig['itl_control_same_tokens_ms']['p99']:.0f} ms: "
+          f"{fig['p99_ratio_to_control']:.2f}x); long prompt TTFT {fig['long_prompt_ttft_ms']:.0f} ms", flush=True)
     return fig
 
 

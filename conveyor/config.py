@@ -125,7 +125,7 @@ class SchedulerConfig:
     # the step's decode time, so its prefill never stalls the streams (None: no such cap). Only with a
     # target ITL, as the cap is a latency policy too.
     long_prefill_token_threshold: int | None = None
-    long_prefill_max_slowdown: float | None = 0.3
+    long_prefill_max_slowdown: float | None = 1.0
     # Fair sharing: a tenant's share of admissions is proportional to its weight (default 1); a
     # tenant runs at most max_running_per_tenant requests at once (None = no cap).
     tenant_weights: tuple[tuple[str, float], ...] = ()

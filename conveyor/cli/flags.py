@@ -58,7 +58,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="prompts longer than this are long (default: --max-num-batched-tokens)")
     group.add_argument("--long-prefill-max-slowdown", type=float, default=None,
                        help="while others decode, a long prompt's chunks lengthen a step by at most this fraction "
-                            "of its decode time; 0 = no cap (default: 0.3)")
+                            "of its decode time; 0 = no cap (default: 1.0)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ModelConfig.tensor_parallel_size,
                        help="split every layer over this many processes (gloo, on this machine); it pays where a "
                             "model does not fit one process's memory or there are more cores than one rank uses")

@@ -61,3 +61,7 @@ def test_interference_splits_the_gaps_at_the_long_prompt(tmp_path: Path, streams
     start, end = fig["window_s"]
     assert 0 < start < end
     assert fig["p99_ratio"] == pytest.approx(fig["itl_during_ms"]["p99"] / fig["itl_before_ms"]["p99"])
+    # The control streamed the same requests alone, past the token positions of the window.
+    assert fig["num_gaps_control"] == fig["num_gaps_during"]
+    assert fig["p99_ratio_to_control"] == pytest.approx(fig["itl_during_ms"]["p99"]
+                                                        / fig["itl_control_same_tokens_ms"]["p99"])
