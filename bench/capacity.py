@@ -29,7 +29,6 @@ from bench.metrics import summarize
 from bench.workloads import offline_workload, warmup_workload
 
 DEFAULT_RATES = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
-SYSTEMS = ("conveyor", "llama-server")
 
 
 @dataclass(frozen=True)
@@ -164,10 +163,7 @@ def plot(results: dict[str, dict[str, dict]], slo: Slo, title: str, path: Path) 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--conveyor-args", default="", help="further `conveyor serve` flags, e.g. '--target-itl-ms 100'")
+    servers.add_system_arguments(p, "capacity")
     p.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)), help="the ladder, req/s, ascending")
     p.add_argument("--ttft-ms", type=float, default=2000.0)
     p.add_argument("--tpot-ms", type=float, default=150.0)
@@ -180,26 +176,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine", type=int, default=1, help="rungs bisecting between the last met and first missed rate")
     p.add_argument("--llama-parallel", default="4,8,16", help="llama-server -np values searched")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR)
-    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    p.add_argument("--log-dir", type=Path, default=Path("bench/results/capacity"))
 
 
 def run(args: argparse.Namespace) -> None:
     from bench.limits import model_arch
-    from conveyor.model.loader import default_model_path
 
-    model = args.model or default_model_path()
-    if not servers.is_gguf(model):
-        raise SystemExit(f"{model} is not a GGUF file")
+    model, chosen, llama = servers.resolve_systems(args)
     rates = sorted(float(r) for r in args.rates.split(","))
     args.llama_parallel = [int(p) for p in str(args.llama_parallel).split(",")]
-    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if unknown := set(chosen) - set(SYSTEMS):
-        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-    llama = servers.LlamaCpp.find(args.peers_dir)
-    if "llama-server" in chosen and llama is None:
-        raise SystemExit(f"llama-server not found under {args.peers_dir}: {servers.BUILD_HINT}")
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
     vocab_high = min(40_000, model_arch(str(model)).vocab_size)
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {model.name}; {slo.describe()}; "

@@ -29,7 +29,6 @@ from bench import report, servers
 from bench.metrics import percentile
 from bench.workloads import offline_workload
 
-SYSTEMS = ("conveyor", "llama-server")
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
@@ -176,10 +175,7 @@ def plot(results: dict[str, dict], title: str, path: Path) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--conveyor-args", default="", help="further `conveyor serve` flags, e.g. '--target-itl-ms 100'")
+    servers.add_system_arguments(p, "interference")
     p.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")
     p.add_argument("--stream-prompt", type=int, default=64, help="their prompt tokens")
     p.add_argument("--stream-tokens", type=int, default=4096, help="their output budget (cut off at the end)")
@@ -188,22 +184,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--after-s", type=float, default=0.5, help="seconds the streams run on after its first token")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR)
-    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    p.add_argument("--log-dir", type=Path, default=Path("bench/results/interference"))
 
 
 def run(args: argparse.Namespace) -> None:
     from bench.limits import model_arch
-    from conveyor.model.loader import default_model_path
 
-    model = args.model or default_model_path()
-    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if unknown := set(chosen) - set(SYSTEMS):
-        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-    llama = servers.LlamaCpp.find(args.peers_dir)
-    if "llama-server" in chosen and llama is None:
-        raise SystemExit(f"llama-server not found under {args.peers_dir}: {servers.BUILD_HINT}")
+    model, chosen, llama = servers.resolve_systems(args)
     vocab_high = min(40_000, model_arch(str(model)).vocab_size)
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {model.name}; {args.streams} streams, "
           f"then a {args.long_prompt}-token prompt", flush=True)

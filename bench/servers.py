@@ -8,6 +8,7 @@ server and all its children (conveyor's engine core is a child process) until it
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -207,3 +208,35 @@ class LlamaCpp:
         if "--cont-batching" in flags:
             cmd += ["--cont-batching"]
         return [c for c in cmd if c != "--no-webui" or "--no-webui" in flags]
+
+
+# ----------------------------------------------------------------------------- both systems on one file
+
+SYSTEMS = ("conveyor", "llama-server")
+
+
+def add_system_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """The flags of a bench that serves one GGUF file with conveyor and llama-server in turn."""
+    p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled model)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--conveyor-args", default="", help="further `conveyor serve` flags, e.g. '--target-itl-ms 100'")
+    p.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR)
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--log-dir", type=Path, default=Path("bench/results") / name)
+
+
+def resolve_systems(args: argparse.Namespace) -> tuple[Path, list[str], LlamaCpp | None]:
+    """(the GGUF file, the systems asked for, llama.cpp's build); exits with a message when one is missing."""
+    from conveyor.model.loader import default_model_path
+
+    model = args.model or default_model_path()
+    if not is_gguf(model):
+        raise SystemExit(f"{model} is not a GGUF file")
+    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := set(chosen) - set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    llama = LlamaCpp.find(args.peers_dir)
+    if "llama-server" in chosen and llama is None:
+        raise SystemExit(f"llama-server not found under {args.peers_dir}: {BUILD_HINT}")
+    return model, chosen, llama

@@ -159,9 +159,12 @@ class EngineCore:
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         sched = config.scheduler
-        logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d",
+        logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d, "
+                    "long prompts (over %d tokens) lengthen a decoding step by at most %s",
                     "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
-                    sched.max_num_batched_tokens, sched.min_prefill_chunk)
+                    sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
+                    "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
+                    else f"{sched.long_prefill_max_slowdown:g}x its decode time")
         if proposer is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
                         spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
