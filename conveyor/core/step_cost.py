@@ -182,6 +182,8 @@ class StepCostModel:
             sub = _solve_linear([[a[i][j] for j in free] for i in free], [rhs[i] for i in free])
             if sub is None or min(sub) < 0:
                 continue
+            if len(free) == k:
+                return tuple(sub)   # the unconstrained minimum is non-negative: it is the optimum
             theta = [0.0] * k
             for i, v in zip(free, sub):
                 theta[i] = v
