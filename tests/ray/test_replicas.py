@@ -48,8 +48,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint: Path) -> Iterator[Cluster]:
-    port = _free_port()
     connect_ray(None, num_cpus=2, log_to_driver=False)
+    # After Ray is up: its own processes take ephemeral ports as they start, and one picked before
+    # could be gone by the time Serve's proxy binds it.
+    port = _free_port()
     try:
         config = EngineConfig.from_options(model=str(tiny_checkpoint), threads=1, kv_cache_memory="64MiB",
                                            max_num_batched_tokens=512)
