@@ -111,6 +111,11 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
         _COMMON, num_hidden_layers=2, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )),
+    # Room for answers long enough to still be running when a test acts on them (seconds, not 0.1 s).
+    "llama_long": ("LlamaForCausalLM", "LlamaConfig", dict(
+        _COMMON, num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    )),
 }
 TINY_MODEL_NAMES = tuple(TINY_SPECS)
 

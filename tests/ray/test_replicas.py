@@ -28,6 +28,7 @@ from conveyor.replicas.launch import connect_ray, deploy  # noqa: E402
 
 pytestmark = pytest.mark.ray
 REPLICA = "x-conveyor-replica"
+LONG_ANSWER = 6000
 SHARED_PREFIX = "You are a terse assistant for the shipping desk; answer in one line. " * 3
 
 
@@ -47,18 +48,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_checkpoint: Path) -> Iterator[Cluster]:
+def cluster(tiny_checkpoint_factory: Callable[[str], Path]) -> Iterator[Cluster]:
+    checkpoint = tiny_checkpoint_factory("llama_long")
     connect_ray(None, num_cpus=2, log_to_driver=False)
     # After Ray is up: its own processes take ephemeral ports as they start, and one picked before
     # could be gone by the time Serve's proxy binds it.
     port = _free_port()
     try:
-        config = EngineConfig.from_options(model=str(tiny_checkpoint), threads=1, kv_cache_memory="64MiB",
+        config = EngineConfig.from_options(model=str(checkpoint), threads=1, kv_cache_memory="64MiB",
                                            max_num_batched_tokens=512)
         server = ServerConfig(host="127.0.0.1", port=port, core_process=False, shutdown_grace_s=1.0)
         # Pushes far apart: what a scrape shows right after a request can only come from asking the replicas.
         deploy(config, server, ReplicaConfig(num_replicas=2, metrics_push_interval_s=30.0))
-        yield Cluster(f"http://127.0.0.1:{port}", tiny_checkpoint.name)
+        yield Cluster(f"http://127.0.0.1:{port}", checkpoint.name)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -182,11 +184,15 @@ def test_killed_replica_fails_its_requests_and_the_other_serves(cluster: Cluster
     victim = _complete(cluster, prefix + "warm up")
     actor = ray.get_actor(victim, namespace="serve")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # In flight on the victim too: one without streaming, whose response has not started.
-        whole = pool.submit(_complete, cluster, prefix + "a whole answer", 180, True)
-        stream = cluster.client().completions.create(model=cluster.model, prompt=prefix + "go on", max_tokens=180,
-                                                     stream=True, extra_body={"ignore_eos": True})
+        # In flight on the victim too: one without streaming, whose response has not started. Both
+        # answers take seconds (a 180-token one takes 0.15 s here: it could end before the kill).
+        whole = pool.submit(_complete, cluster, prefix + "a whole answer", LONG_ANSWER, True)
+        stream = cluster.client().completions.create(model=cluster.model, prompt=prefix + "go on",
+                                                     max_tokens=LONG_ANSWER, stream=True,
+                                                     extra_body={"ignore_eos": True})
         next(iter(stream))
+        _wait_for(lambda: _replica_value(cluster, "vllm:num_requests_running", victim) == 2, 30,
+                  "both requests running on one replica")
         ray.kill(actor, no_restart=True)
         started = time.monotonic()
         with pytest.raises(openai.APIError, match="died"):
