@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= What is the capital of France?
+PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: install install-test run generate test clean
 

@@ -78,9 +78,14 @@ class CacheConfig:
     kv_cache_memory: str | int = "2GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     enable_prefix_caching: bool = True
+    # "auto": float16 where the weights are kept quantized (as llama.cpp keeps its cache), else the
+    # working dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")
 

@@ -67,6 +67,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
+    group.add_argument("--kv-cache-dtype", choices=(*DTYPES, *DTYPE_ALIASES), default=CacheConfig.kv_cache_dtype,
+                       help="dtype of the KV cache; auto: float16 where the weights are kept quantized (half the "
+                            "bytes attention reads, as llama.cpp's default), else the working dtype")
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=CacheConfig.enable_prefix_caching,
@@ -127,6 +130,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "kv_cache_dtype": DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         **speculative_options(args),
         "tenant_weights": tenant_weights(args.tenant_weight),
         **_given(args, "max_running_per_tenant", "max_priority_preemptions"),

@@ -43,7 +43,7 @@ from conveyor.engine.structured_output import StructuredOutputs, grammar_compile
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_model_path, resolve_quantization
-from conveyor.runtime.dtype import choose_dtype
+from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, WorkerLost, load_rank0
@@ -101,6 +101,8 @@ class EngineCore:
         self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library,
                                        quantized=self.quantization != "none")
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        self.kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, self.quantization != "none")
+        logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
         tp = config.model.tensor_parallel_size
         comm, workers = None, []
         # The model phase: the loader logs it with its seconds.
@@ -122,12 +124,12 @@ class EngineCore:
                              f"{arch.max_position_embeddings}")
         cache_cfg = config.cache
         num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(
-            arch, cache_cfg.block_size, self.dtype, cache_cfg.kv_cache_bytes)
+            arch, cache_cfg.block_size, self.kv_dtype, cache_cfg.kv_cache_bytes)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
-                             f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.dtype)} bytes)")
+                             f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.kv_dtype)} bytes)")
         phase_started = time.perf_counter()
-        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.dtype, self.device,
+        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.kv_dtype, self.device,
                                 transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,

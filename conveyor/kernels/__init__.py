@@ -29,7 +29,7 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     lib = built.lib
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 6 + [_F32, _P, _I64, _I64,
-                                                                                               _INT]
+                                                                                               _INT, _INT]
     lib.attention_tile_size.restype = _I64
     lib.attention_tile_size.argtypes = [_I64] * 4
     for name in ("gemm_f32", "gemm_bf16"):
@@ -40,6 +40,8 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     decoder.declare(lib)
     lib.gemm_isa.restype = ctypes.c_int
     lib.gemm_isa.argtypes = []
+    lib.convert_fmt.restype = None
+    lib.convert_fmt.argtypes = [_P, _INT, _P, _INT, _I64]
     lib.mask_logits.restype = None
     lib.mask_logits.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P]
     lib.shm_allreduce.restype = ctypes.c_int
@@ -66,12 +68,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q, out: (T, H, D) float32 or bfloat16, each token's heads contiguous (q may be a strided view into
     a fused qkv buffer); k_cache (num_blocks, KV, D, block_size) (keys transposed per block), v_cache
-    (num_blocks, block_size, KV, D), both in q's dtype; block_tables (R, NB);
+    (num_blocks, block_size, KV, D), both float32, bfloat16 or float16; block_tables (R, NB);
     query i is token tokens[i] of row rows[i] and sees context_lens[i] keys. All index tensors int64.
     Returns `out`. The ctypes call releases the GIL.
     """
     built = library()
-    assert built is not None and q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype
+    assert built is not None and q.dtype in (torch.float32, torch.bfloat16) and out.dtype == q.dtype
+    assert k_cache.dtype in decoder.KV_FORMATS and v_cache.dtype == k_cache.dtype
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
@@ -79,10 +82,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], rows.data_ptr(), context_lens.data_ptr(), tokens.data_ptr(), tile_start.data_ptr(),
         tile_start.shape[0] - 1, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
-        out.data_ptr(), out.stride(0), threads.num_threads(), q.dtype == torch.bfloat16)
+        out.data_ptr(), out.stride(0), threads.num_threads(), decoder.KV_FORMATS[q.dtype],
+        decoder.KV_FORMATS[k_cache.dtype])
     if status != 0:
         raise ValueError(f"paged_attention: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
                          f"head dim {head_dim}, block size {block_size}) or tiles")
+    return out
+
+
+def convert(src: torch.Tensor, dtype: torch.dtype, library: KernelLibrary | None = None) -> torch.Tensor:
+    """src (contiguous, float32 / bfloat16 / float16) as `dtype`, converted by the kernels' own code (the
+    one that writes the KV cache), rounding to nearest even."""
+    built = library or library_for(cpu_features())
+    assert built is not None and src.is_contiguous()
+    out = torch.empty(src.shape, dtype=dtype)
+    built.lib.convert_fmt(src.data_ptr(), decoder.KV_FORMATS[src.dtype], out.data_ptr(), decoder.KV_FORMATS[dtype],
+                          src.numel())
     return out
 
 

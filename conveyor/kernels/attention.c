@@ -10,7 +10,7 @@
  *
  * q:          query i's heads at q + tokens[i] * ldq, [H, D] contiguous   (float32 or bfloat16)
  * k_cache:    [num_blocks, KV, D, bs] (keys transposed in each block: 16 keys' d-th values load as one
- *             vector), v_cache [num_blocks, bs, KV, D], both in q's dtype
+ *             vector), v_cache [num_blocks, bs, KV, D], both float32, bfloat16 or float16 (kv_fmt)
  * tables:     [rows, max_blocks] int64 block ids;  rows[i]: query i's row in tables
  * ctx_lens:   [n] int64 keys visible to query i (its position + 1)
  * tile_start: [tiles + 1] int64: tile j holds queries tile_start[j] .. tile_start[j + 1] - 1
@@ -21,7 +21,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "pool.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define MAX_QG 64   /* queries x heads per tile */
 #define MAX_D 256
@@ -33,35 +37,8 @@ typedef struct {
     int64_t ldq, ldo, max_blocks, H, KV, D, bs, window;
     float scale;
     void *out;
-    int is_bf16;
+    int act_fmt, kv_fmt;   /* q and out; the caches (half.h's formats) */
 } job_t;
-
-static inline void load_row(float *dst, const void *base, int64_t offset, int64_t n, int is_bf16) {
-    if (!is_bf16) {
-        memcpy(dst, (const float *)base + offset, n * sizeof(float));
-        return;
-    }
-    const uint16_t *src = (const uint16_t *)base + offset;
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, 4);
-    }
-}
-
-static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int is_bf16) {
-    if (!is_bf16) {
-        memcpy((float *)base + offset, src, n * sizeof(float));
-        return;
-    }
-    uint16_t *dst = (uint16_t *)base + offset;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, 4);
-        if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x400000u;
-        else bits += 0x7fffu + ((bits >> 16) & 1u);
-        dst[i] = (uint16_t)(bits >> 16);
-    }
-}
 
 /* Vectors of the CPU's native width (16 lanes with AVX-512, 8 with AVX2, 4 otherwise): wider gcc
  * vectors than the registers are kept in memory. Lanes never mix, so each lane's arithmetic is the
@@ -84,6 +61,21 @@ static inline vf load_v(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
+
+/* float16 vectors widened as they load (F16C), so a float16 cache is read in place like a float32 one. */
+#if defined(__F16C__) && (VW == 8 || (VW == 16 && defined(__AVX512F__)))
+#define HAVE_LOAD_VH 1
+static inline vf load_vh(const uint16_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#endif
+}
+#else
+#define HAVE_LOAD_VH 0
+static inline vf load_vh(const uint16_t *p) { (void)p; return (vf){0}; }
+#endif
 
 static inline vf splat(float x) { return x - (vf){0}; }
 
@@ -110,7 +102,7 @@ static inline vf exp_neg(vf x) {
 
 /* Keys are taken in chunks of up to KC, never across a block: a query's chunks depend only on its own
  * context, so its softmax is rescaled at the same points whatever tile or step it is computed in. */
-static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
+static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt) {
     const int64_t first = j->tile_start[tile], nq = j->tile_start[tile + 1] - first;
     const int64_t G = j->H / j->KV, D = j->D, DV = j->D / VW, bs = j->bs, KV = j->KV;
     const int64_t A = nq * G, A_pad = (A + QU - 1) / QU * QU;
@@ -128,7 +120,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
         hi_all = c > hi_all ? c : hi_all;
         for (int64_t g = 0; g < G; g++) {
             const int64_t a = i * G + g;
-            load_row(q[a], j->q, token * j->ldq + (kv * G + g) * D, D, is_bf16);
+            load_fmt(q[a], j->q, token * j->ldq + (kv * G + g) * D, D, j->act_fmt);
             m[a] = -INFINITY;
             l[a] = 0.f;
             for (int64_t c = 0; c < DV; c++) acc[a][c] = splat(0.f);
@@ -144,13 +136,13 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
         const int64_t n_keys = (hi_all - c0) < chunk ? (hi_all - c0) : chunk;
         /* The chunk's keys (lanes = keys) and values. float32 ones are read where they lie, except the
          * keys of a partial chunk, copied so that the lanes past n_keys are zeros, not whatever follows
-         * in the block; bfloat16 ones are widened once for the tile. */
+         * in the block; 16-bit ones are widened once for the tile. */
         const int64_t kbase = (block * KV + kv) * D * bs + off, vbase = (block * bs * KV + kv) * D + off * KV * D;
         /* The next chunk is another block, somewhere else: start fetching it, into L2 (prefetcht1).
          * Prefetches into L1 each hold one of its few miss buffers, so a core had ~24 lines in flight:
          * decode attention read the cache at 14 GB/s on Zen 4; into L2, 22-27 GB/s. */
         if (c0 + chunk < hi_all) {
-            const int64_t nb = table[(c0 + chunk) / bs], noff = (c0 + chunk) % bs, E = is_bf16 ? 2 : 4;
+            const int64_t nb = table[(c0 + chunk) / bs], noff = (c0 + chunk) % bs, E = fmt_size(kv_fmt);
             const char *nk = (const char *)j->k_cache + ((nb * KV + kv) * D * bs + noff) * E;
             const char *nv = (const char *)j->v_cache + ((nb * bs * KV + kv) * D + noff * KV * D) * E;
             for (int64_t d = 0; d < D; d++) __builtin_prefetch(nk + d * bs * E, 0, 2);
@@ -158,21 +150,28 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
                 for (int64_t b = 0; b < D * E; b += 64) __builtin_prefetch(nv + t * KV * D * E + b, 0, 2);
         }
         const float *keys = &kbuf[0][0], *vals = &vbuf[0][0];
+        const uint16_t *hkeys = 0, *hvals = 0;   /* float16 read in place */
         int64_t kstride = KC, vstride = MAX_D;
-        if (!is_bf16 && n_keys == KC) {
+        if (kv_fmt == FMT_F32 && n_keys == KC) {
             keys = (const float *)j->k_cache + kbase;
+            kstride = bs;
+        } else if (HAVE_LOAD_VH && kv_fmt == FMT_F16 && n_keys == KC) {
+            hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
         } else {
             for (int64_t d = 0; d < D; d++) {
                 memset(kbuf[d], 0, sizeof kbuf[d]);
-                load_row(kbuf[d], j->k_cache, kbase + d * bs, n_keys, is_bf16);
+                load_fmt(kbuf[d], j->k_cache, kbase + d * bs, n_keys, kv_fmt);
             }
         }
-        if (!is_bf16) {
+        if (kv_fmt == FMT_F32) {
             vals = (const float *)j->v_cache + vbase;
             vstride = KV * D;
+        } else if (HAVE_LOAD_VH && kv_fmt == FMT_F16) {
+            hvals = (const uint16_t *)j->v_cache + vbase;
+            vstride = KV * D;
         } else {
-            for (int64_t t = 0; t < n_keys; t++) load_row(vbuf[t], j->v_cache, vbase + t * KV * D, D, is_bf16);
+            for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }
         /* Scores: each lane sums over d in order, one multiply-add chain per (query, key). */
         for (int64_t a0 = 0; a0 < A_pad; a0 += QU) {
@@ -184,7 +183,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
             for (int64_t d = 0; d < D; d++) {
                 vf kd[NV];
 #pragma GCC unroll 4
-                for (int u = 0; u < NV; u++) kd[u] = load_v(keys + d * kstride + u * VW);
+                for (int u = 0; u < NV; u++)
+                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
 #pragma GCC unroll 4
                 for (int r = 0; r < QU; r++) {
                     const vf x = splat(q[a0 + r][d]);
@@ -225,18 +225,27 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
                     vf o[4];
 #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++) o[u] = acc[a][c + u] * correction;
-                    for (int64_t t = lo; t < hi; t++) {
-                        const vf w = splat(e[t]);
-                        const float *vt = vals + t * vstride + c * VW;
+                    if (hvals)
+                        for (int64_t t = lo; t < hi; t++) {
+                            const vf w = splat(e[t]);
+                            const uint16_t *vt = hvals + t * vstride + c * VW;
 #pragma GCC unroll 4
-                        for (int u = 0; u < 4; u++) o[u] += w * load_v(vt + u * VW);
-                    }
+                            for (int u = 0; u < 4; u++) o[u] += w * load_vh(vt + u * VW);
+                        }
+                    else
+                        for (int64_t t = lo; t < hi; t++) {
+                            const vf w = splat(e[t]);
+                            const float *vt = vals + t * vstride + c * VW;
+#pragma GCC unroll 4
+                            for (int u = 0; u < 4; u++) o[u] += w * load_v(vt + u * VW);
+                        }
 #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++) acc[a][c + u] = o[u];
                 }
                 for (; c < DV; c++) {
                     vf o = acc[a][c] * correction;
-                    for (int64_t t = lo; t < hi; t++) o += e[t] * load_v(vals + t * vstride + c * VW);
+                    for (int64_t t = lo; t < hi; t++)
+                        o += e[t] * (hvals ? load_vh(hvals + t * vstride + c * VW) : load_v(vals + t * vstride + c * VW));
                     acc[a][c] = o;
                 }
             }
@@ -247,7 +256,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, int is_bf16) {
             const int64_t a = i * G + g;
             const float inv = l[a] > 0.f ? 1.f / l[a] : 0.f;
             for (int64_t c = 0; c < DV; c++) acc[a][c] *= inv;
-            store_row(j->out, j->tokens[first + i] * j->ldo + (kv * G + g) * D, (const float *)acc[a], D, is_bf16);
+            store_fmt(j->out, j->tokens[first + i] * j->ldo + (kv * G + g) * D, (const float *)acc[a], D, j->act_fmt);
         }
 }
 
@@ -260,21 +269,24 @@ int64_t attention_tile_size(int64_t H, int64_t KV, int64_t D, int64_t bs) {
 
 static void attention_item(void *arg, int64_t item) {
     const job_t *job = arg;
-    if (job->is_bf16) run_item(job, item / job->KV, item % job->KV, 1);
-    else run_item(job, item / job->KV, item % job->KV, 0);
+    /* A constant format per call: the float32 one keeps its in-place reads free of format tests. */
+    if (job->kv_fmt == FMT_F32) run_item(job, item / job->KV, item % job->KV, FMT_F32);
+    else if (job->kv_fmt == FMT_F16) run_item(job, item / job->KV, item % job->KV, FMT_F16);
+    else run_item(job, item / job->KV, item % job->KV, FMT_BF16);
 }
 
 /* Returns 0 on success, -1 if a shape exceeds the fixed per-item buffers. */
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
                     int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int is_bf16) {
+                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int act_fmt,
+                    int kv_fmt) {
     const int64_t qt = attention_tile_size(H, KV, D, bs);
-    if (qt == 0) return -1;
+    if (qt == 0 || (act_fmt != FMT_F32 && act_fmt != FMT_BF16) || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
     for (int64_t t = 0; t < tiles; t++)
         if (tile_start[t + 1] - tile_start[t] > qt || tile_start[t + 1] <= tile_start[t]) return -1;
     job_t job = {q, k_cache, v_cache, tables, rows, ctx_lens, tokens, tile_start, ldq, ldo, max_blocks,
-                 H, KV, D, bs, window, scale, out, is_bf16};
+                 H, KV, D, bs, window, scale, out, act_fmt, kv_fmt};
     pool_for(tiles * KV, attention_item, &job, num_threads);
     return 0;
 }

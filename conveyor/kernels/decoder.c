@@ -21,7 +21,7 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
              int is_bf16, int64_t num_threads);
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
-               const void *q_norm, const void *k_norm, float eps, int is_bf16, int64_t num_threads);
+               const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads);
 void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
                int64_t num_threads);
 void add_rows(void *x, const void *y, int64_t n, int is_bf16);
@@ -31,7 +31,8 @@ int kq_linear(const float *x, int64_t ldx, const struct kq_linear *L, float *y, 
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
                     int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int is_bf16);
+                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int act_fmt,
+                    int kv_fmt);
 
 /* Per-layer constants, set once at load. Pointers: weights, optional biases (NULL: none). A weight is
  * a packed float panel set (gemm.c) when its format is -1, else a kquant.c linear layer (its own
@@ -55,6 +56,7 @@ typedef struct {
     int64_t max_blocks, tiles, block_size, num_threads;
     int is_bf16;
     const float *cos_local, *sin_local;   /* the second RoPE table (Gemma 3's sliding layers), or NULL */
+    int64_t kv_fmt;                       /* the cache's element format (half.h) */
 } step_t;
 
 /* y = x W^T (+ bias) (+ res). A quantized weight has no residual epilogue: its product goes to tmp
@@ -99,10 +101,10 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
     status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, cos, sin, s->slots, k_cache, v_cache,
-                         s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, s->num_threads);
+                         s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, (int)s->kv_fmt, s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
-                              l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16);
+                              l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16, (int)s->kv_fmt);
     status |= project_residual(s, l, l->format[1], attn, q_width, l->o, l->o_bias, l->post_attn_norm, x, q_width, h);
     rmsnorm(x, hidden, l->ln2, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[2], h, hidden, l->gate_up, l->gate_up_bias, 0, gate_up, 2 * I, hidden, 0);

@@ -22,13 +22,14 @@ class LayerParams(ctypes.Structure):
                [("act", _I64), ("local_rope", _I64)]
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # half.h's element formats
 
 
 class StepParams(ctypes.Structure):
     _fields_ = [("T", _I64), ("cos", _P), ("sin", _P)] + \
                [(name, _P) for name in ("slots", "tables", "rows", "ctx_lens", "tokens", "tile_start")] + \
                [(name, _I64) for name in ("max_blocks", "tiles", "block_size", "num_threads")] + \
-               [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P)]
+               [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P), ("kv_fmt", _I64)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -69,13 +70,15 @@ def scratch_elements(params: LayerParams, num_tokens: int) -> int:
 
 
 def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, plan,
-                block_size: int, is_bf16: bool, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepParams:
+                block_size: int, is_bf16: bool, local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_dtype: torch.dtype = torch.float32) -> StepParams:
     """plan: the attention metadata's KernelPlan; local: the second RoPE table (cos, sin), if the model
-    has one. The tensors must outlive the calls."""
+    has one; kv_dtype: the cache's. The tensors must outlive the calls."""
     return StepParams(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.block_tables.data_ptr(),
                       plan.rows.data_ptr(), plan.context_lens.data_ptr(), plan.tokens.data_ptr(),
                       plan.tile_start.data_ptr(), plan.block_tables.shape[1], plan.tile_start.shape[0] - 1,
-                      block_size, threads.num_threads(), is_bf16, *(_ptr(t) for t in (local or (None, None))))
+                      block_size, threads.num_threads(), is_bf16, *(_ptr(t) for t in (local or (None, None))),
+                      KV_FORMATS[kv_dtype])
 
 
 def run_layer(lib: KernelLibrary, x: torch.Tensor, layer: LayerParams, step: StepParams, k_cache: torch.Tensor,

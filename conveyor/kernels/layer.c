@@ -4,7 +4,7 @@
  * gated_act:   the gated activation of a SwiGLU (silu) or GeGLU (gelu, tanh form) MLP.
  * rope_cache:  rotate the q and k heads of a packed qkv buffer in place (rotate-half RoPE), after an
  *              RMSNorm of each head where the model has one, and write each token's k and v heads
- *              into the paged cache at its slot.
+ *              into the paged cache at its slot (the cache in float32, bfloat16 or float16).
  * add_rows:    x += y, for a residual added after a norm.
  * Activations are float32 or bfloat16 (is_bf16); bfloat16 is widened on load and rounded to nearest
  * even on store, with every step in float32 between. Each row is computed alone, so results never
@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "pool.h"
 
 #define MAX_D 256
@@ -96,7 +97,7 @@ typedef struct {
     const void *q_norm, *k_norm;
     int64_t ld, Hq, Hkv, D, bs;
     float eps;
-    int is_bf16;
+    int is_bf16, kv_fmt;
 } rope_job;
 
 static void rope_item(void *arg, int64_t t) {
@@ -123,23 +124,25 @@ static void rope_item(void *arg, int64_t t) {
         for (int64_t d = 0; d < D; d++) {
             const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
             store(qkv, base + d, rotated, is_bf16);
-            if (h >= Hq)
-                store(k_cache, (((slot / bs) * Hkv + (h - Hq)) * D + d) * bs + slot % bs, rotated, is_bf16);
+            if (h >= Hq)   /* what q's dtype holds, then narrowed to the cache's */
+                store_one(k_cache, (((slot / bs) * Hkv + (h - Hq)) * D + d) * bs + slot % bs,
+                          is_bf16 ? round_bf16(rotated) : rotated, j->kv_fmt);
         }
     }
     for (int64_t h = 0; h < Hkv; h++) {
         const int64_t src = row + (heads + h) * D, dst = (slot * Hkv + h) * D;
-        if (is_bf16) memcpy((uint16_t *)v_cache + dst, (const uint16_t *)qkv + src, D * 2);
-        else memcpy((float *)v_cache + dst, (const float *)qkv + src, D * 4);
+        float v[MAX_D];
+        load_fmt(v, qkv, src, D, is_bf16 ? FMT_BF16 : FMT_F32);
+        store_fmt(v_cache, dst, v, D, j->kv_fmt);
     }
 }
 
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
-               const void *q_norm, const void *k_norm, float eps, int is_bf16, int64_t num_threads) {
-    if (D > MAX_D || D % 2) return -1;
+               const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads) {
+    if (D > MAX_D || D % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
-    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, bs, eps, is_bf16};
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, bs, eps, is_bf16, kv_fmt};
     pool_for(T, rope_item, &job, num_threads);
     return 0;
 }
@@ -211,4 +214,14 @@ void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int6
     if (M * I < 65536) num_threads = 1;
     gated_job job = {x, y, ldx, ldy, I, act, is_bf16};
     pool_for(M, gated_item, &job, num_threads);
+}
+
+/* dst = src converted between element formats, n elements (widened, then narrowed to nearest even). */
+void convert_fmt(const void *src, int src_fmt, void *dst, int dst_fmt, int64_t n) {
+    float buf[256];
+    for (int64_t i = 0; i < n; i += 256) {
+        const int64_t m = n - i < 256 ? n - i : 256;
+        load_fmt(buf, src, i, m, src_fmt);
+        store_fmt(dst, i, buf, m, dst_fmt);
+    }
 }

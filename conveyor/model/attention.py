@@ -151,8 +151,8 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
         blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
         k_cache.permute(0, 3, 1, 2)[blocks, offsets] = k.to(k_cache.dtype)
     else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -172,8 +172,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size
         qg = q[group.query_index].transpose(1, 2)                                 # (B, H, Lq, D)
-        kg = k_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
-        vg = v_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim)
+        kg = k_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim).to(q.dtype)
+        vg = v_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim).to(q.dtype)
         mask = group.window_mask if window is not None and group.window_mask is not None else group.mask
         og = F.scaled_dot_product_attention(
             qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, scale=scale,

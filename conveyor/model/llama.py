@@ -193,7 +193,8 @@ class LlamaModel(nn.Module):
         first = self.layers[0].fused
         scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
-                                          kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local)
+                                          kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local,
+                                          kv_caches[0][0].dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             decoder_kernel.run_layer(self.kernels, x, layer.fused, step, k_cache, v_cache, scratch)
 

@@ -30,3 +30,15 @@ def choose_dtype(name: str, device: torch.device, library: KernelLibrary | None,
     if "avx512_bf16" in library.features:
         return torch.bfloat16, "auto: this CPU has AVX-512 BF16 dot products, where bfloat16 runs faster than float32"
     return torch.float32, "auto: this CPU has no native bfloat16 dot product, so float32 is faster"
+
+
+def choose_kv_dtype(name: str, dtype: torch.dtype, quantized: bool) -> tuple[torch.dtype, str]:
+    """(the KV cache's dtype, why). "auto" keeps float16 beside quantized weights: decode attention
+    reads the cache from memory, so half the bytes is nearly half the time at long contexts, and the
+    model's own numbers are already rounded far more coarsely than float16 rounds them (llama.cpp's
+    default too). Otherwise the working dtype."""
+    if name != "auto":
+        return DTYPES[name], "as requested"
+    if quantized:
+        return torch.float16, "auto: beside quantized weights"
+    return dtype, "auto: the working dtype"

@@ -203,7 +203,8 @@ class TensorParallelRunner(ModelRunner):
         self.comm = comm
         self.workers = workers
         # The workers shape their caches alike: the same block ids address every rank's heads.
-        comm.broadcast_object((kv_cache.num_blocks, kv_cache.block_size, kv_cache.transposed_keys))
+        comm.broadcast_object((kv_cache.num_blocks, kv_cache.block_size, kv_cache.transposed_keys,
+                               str(kv_cache.tensor.dtype).removeprefix("torch.")))
 
     def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
         for rank, worker in enumerate(self.workers, start=1):
@@ -241,8 +242,9 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     if library is not None:
         kernels.threads.set_num_threads(spec.threads)
     model = load_model(Path(spec.model_path), dtype, "cpu", library, shard=Shard(rank, spec.world_size), comm=comm)
-    num_blocks, block_size, transposed = comm.broadcast_object()
-    runner = ModelRunner(model, KVCache(model.arch, num_blocks, block_size, dtype, "cpu", transposed), torch.device("cpu"))
+    num_blocks, block_size, transposed, kv_dtype = comm.broadcast_object()
+    kv_cache = KVCache(model.arch, num_blocks, block_size, getattr(torch, kv_dtype), "cpu", transposed)
+    runner = ModelRunner(model, kv_cache, torch.device("cpu"))
     while (plan := comm.broadcast_object()) is not None:
         runner.execute(plan)
 

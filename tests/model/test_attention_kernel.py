@@ -38,11 +38,17 @@ def run(q, k_cache, v_cache, rows, block_size, window, tile):
     return attend(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (query dtype, cache dtype): the cache is the activations' dtype, or a 16-bit one beside float32
+# activations (quantized weights keep a float16 cache by default).
+DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float16),
+               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window",
                          [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 7), (6, 1, 128, 4, None)])
-def test_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, block_size, window, dtype) -> None:
-    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, dtype)
+def test_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, block_size, window, dtype, kv_dtype) -> None:
+    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, kv_dtype or dtype)
     # Decode rows at block edges, and prompt chunks: whole prompts, a later chunk, one past a tile.
     specs = [(1, 1), (1, block_size), (1, block_size + 1), (1, 100), (5, 5), (23, 40), (17, 17), (2, 2)]
     rows = rows_for(specs, block_size, free)
@@ -54,14 +60,17 @@ def test_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, block_size
     theirs = run(q.float(), k_cache.float(), v_cache.float(), rows, block_size, window, 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2   # bf16: the output's own rounding
     torch.testing.assert_close(ours.float(), theirs, atol=tol, rtol=tol)
+    # torch's own path reads a cache of another dtype too.
+    torch_path = run(q, k_cache, v_cache, rows, block_size, window, 0)
+    torch.testing.assert_close(torch_path.float(), theirs, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_query_gives_the_same_bits_in_any_step(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS)
+def test_a_query_gives_the_same_bits_in_any_step(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> None:
     """One prompt of 40 tokens: whole, in chunks of other sizes beside other rows, or one token at a time
     as decode rows: every token's attention output is bit for bit the same."""
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
-    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    k_cache, v_cache, free = make_cache(num_heads, num_kv_heads, head_dim, block_size, kv_dtype or dtype, seed=3)
     table = [free.pop() for _ in range(3)]
     n = 40
     q = torch.randn(n, num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -101,6 +110,26 @@ def test_narrower_code_paths_match_and_are_step_invariant(variant: str, monkeypa
     library = kernels.library_for(frozenset(NARROWER[variant]))
     assert library is not None
     monkeypatch.setattr(kernels, "library", lambda: library)
-    test_kernel_matches_torch_path(9, 3, 64, 16, None, torch.float32)
-    test_kernel_matches_torch_path(8, 2, 16, 16, 7, torch.bfloat16)
-    test_a_query_gives_the_same_bits_in_any_step(torch.float32)
+    test_kernel_matches_torch_path(9, 3, 64, 16, None, torch.float32, None)
+    test_kernel_matches_torch_path(8, 2, 16, 16, 7, torch.bfloat16, None)
+    test_kernel_matches_torch_path(9, 3, 64, 16, None, torch.float32, torch.float16)
+    test_kernel_matches_torch_path(6, 1, 128, 4, None, torch.bfloat16, torch.float16)
+    test_a_query_gives_the_same_bits_in_any_step(torch.float32, None)
+    test_a_query_gives_the_same_bits_in_any_step(torch.float32, torch.float16)
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_16_bit_conversions_round_as_torch_does(variant: str) -> None:
+    """The cache's conversions (F16C, or plain C without it) equal torch's bit for bit: ties to even,
+    subnormals, overflow to infinity, infinities and NaN."""
+    library = kernels.library() if variant == "native" else kernels.library_for(frozenset())
+    special = torch.tensor([0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6.1e-5, 6.0e-8, 2.98e-8, 2.99e-8,
+                            5.96e-8, 1e-9, float("inf"), float("-inf"), 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8,
+                            1 + 3 * 2**-8, 3.0e38, -3.4e38])
+    values = torch.cat([special, torch.randn(5000) * torch.logspace(-9, 5, 5000)])
+    for dtype in (torch.float16, torch.bfloat16):
+        narrowed = kernels.convert(values, dtype, library)
+        assert torch.equal(narrowed.view(torch.int16), values.to(dtype).view(torch.int16)), dtype
+        assert torch.equal(kernels.convert(narrowed, torch.float32, library), narrowed.float())
+    nan = kernels.convert(torch.tensor([float("nan")]), torch.float16, library)
+    assert nan.isnan().all() and kernels.convert(nan, torch.float32, library).isnan().all()

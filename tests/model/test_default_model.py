@@ -17,13 +17,19 @@ except Exception as exc:  # noqa: BLE001 - skip cleanly when the model package i
     pytest.skip(f"default model not installed: {exc}", allow_module_level=True)
 
 
+# Asked plainly, this 135M model's first token is a near tie ("The" vs "L'"), which the KV cache's
+# rounding decides (llama.cpp answers "L'Étoile, ..." in float16 and float32 alike); asked this way
+# the answer is clear of it.
+ASK = "What is the capital of France? Answer in one sentence."
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(threads=2)
 
 
 def test_greedy_chat_answer_names_paris(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": ASK}],
                    SamplingParams(temperature=0, max_tokens=32))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"            # ended at <|im_end|>, not the length limit
@@ -45,9 +51,9 @@ def test_outputs_in_input_order_with_timings(llm: LLM) -> None:
 
 def test_stop_string_is_not_returned(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=32)
-    full = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)[0].text
+    full = llm.chat([{"role": "user", "content": ASK}], params)[0].text
     assert "Paris" in full
-    stopped = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    stopped = llm.chat([{"role": "user", "content": ASK}],
                        SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]))[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "Paris"
     assert stopped.text == full[: full.index("Paris")]
@@ -67,7 +73,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_streams_the_answer() -> None:
-    result = _cli("generate", "What is the capital of France?", "--max-tokens", "32", "--threads", "2")
+    result = _cli("generate", ASK, "--max-tokens", "32", "--threads", "2")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

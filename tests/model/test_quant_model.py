@@ -118,14 +118,14 @@ def _tile(model: LlamaModel) -> int:
     return kernel_tile_size(model, BLOCK_SIZE, torch.device("cpu"))
 
 
-def _cache(model: LlamaModel) -> KVCache:
-    return KVCache(model.arch, num_blocks=64, block_size=BLOCK_SIZE, dtype=torch.float32,
-                   transposed_keys=_tile(model) > 0)
+def _cache(model: LlamaModel, dtype: torch.dtype = torch.float32) -> KVCache:
+    return KVCache(model.arch, num_blocks=64, block_size=BLOCK_SIZE, dtype=dtype, transposed_keys=_tile(model) > 0)
 
 
-def _greedy(model: LlamaModel, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy(model: LlamaModel, prompts: list[list[int]], steps: int,
+            kv_dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill all prompts in one batch, then decode them together; tokens and every step's logits."""
-    cache = _cache(model)
+    cache = _cache(model, kv_dtype)
     per_row = math.ceil((max(map(len, prompts)) + steps) / BLOCK_SIZE)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(len(prompts))]
     out = _forward(model, cache, [(p, 0, t) for p, t in zip(prompts, tables)])
@@ -209,6 +209,40 @@ def test_batched_equals_alone(tiny_gguf: Path, tiny_kquant_gguf: Path, tiny_llam
         tokens, logits = _greedy(model, [prompt], steps=6)
         assert tokens[0] == batched_tokens[i]
         assert torch.equal(logits[0], batched_logits[i]), f"prompt {i}: batched logits differ from alone"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_tracks_float32_and_batched_equals_alone(tiny_kquant_gguf: Path, kv_dtype: torch.dtype) -> None:
+    """The fused layer writes its keys and values rounded to the cache's dtype and attention widens them:
+    the first token's logits (the same inputs) move by the cache's rounding alone on float weights, and
+    by less than the int8 activations already move them on quantized ones."""
+    floats, kept = _load(tiny_kquant_gguf, "none"), _load(tiny_kquant_gguf, "auto")
+    assert all(layer.fused is not None for model in (floats, kept) for layer in model.layers)
+
+    def first_logits(model: LlamaModel, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([logits[:1] for logits in _greedy(model, PROMPTS, steps=1, kv_dtype=dtype)[1]])
+
+    def rms(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).pow(2).mean() / a.pow(2).mean()).sqrt().item()
+
+    reference = first_logits(floats, torch.float32)
+    assert 0 < rms(reference, first_logits(floats, kv_dtype)) < (1e-3 if kv_dtype == torch.float16 else 5e-3)
+    assert rms(reference, first_logits(kept, kv_dtype)) < 1.5 * rms(reference, first_logits(kept, torch.float32))
+    batched_tokens, batched_logits = _greedy(kept, PROMPTS, steps=6, kv_dtype=kv_dtype)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logits = _greedy(kept, [prompt], steps=6, kv_dtype=kv_dtype)
+        assert tokens[0] == batched_tokens[i] and torch.equal(logits[0], batched_logits[i]), f"prompt {i}"
+
+
+def test_the_portable_build_keeps_a_float16_cache_as_the_native_one(tiny_kquant_gguf: Path) -> None:
+    """Without F16C the conversions are plain C (tests/model/test_attention_kernel.py checks them bit for bit)."""
+    portable = kernels.library_for(frozenset())
+    native = _greedy(_load(tiny_kquant_gguf, "none"), PROMPTS, steps=4, kv_dtype=torch.float16)
+    plain = _greedy(load_model(tiny_kquant_gguf, kernel_library=portable, quantization="none"), PROMPTS, steps=4,
+                    kv_dtype=torch.float16)
+    assert plain[0] == native[0]
+    for a, b in zip(plain[1], native[1]):   # rows summed in other widths round to float16 apart now and then
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_int8_from_float_checkpoint_is_close(tiny_llama: Path) -> None:
