@@ -73,7 +73,9 @@ def test_front_and_in_process_core_share_one_grammar_cache(server: RunningServer
 
 
 def test_json_mode_parses(client: openai.OpenAI) -> None:
-    choice = chat(client, [{"role": "user", "content": "Give me a JSON object about a cat."}], max_tokens=150,
+    # The bundled 135M model's greedy JSON may loop (a list counting on) where the KV cache's rounding
+    # tips it; this request closes its object in ~66 tokens with a float16 cache.
+    choice = chat(client, [{"role": "user", "content": "Give me a short JSON object about a cat."}], max_tokens=150,
                   response_format={"type": "json_object"})
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)
