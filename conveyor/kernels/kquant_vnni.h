@@ -1,0 +1,83 @@
+/* kquant.c's integer block dots on CPUs with VNNI (included by kquant.c, after block_t, group_codes
+ * and octet_scales). vpdpbusd multiplies the unsigned codes by the int8 activations and adds each
+ * lane's 4 products straight into int32, one instruction where AVX2 needs maddubs (into int16),
+ * madd and add; no int16 stage also means no span of groups to keep short against overflow.
+ *
+ * The int32 dots equal the AVX2 ones exactly (neither path can overflow), and both end in the same
+ * octet_step, so a VNNI build's outputs are the same bits as an AVX2 build's.
+ */
+#ifndef CONVEYOR_KQUANT_VNNI_H
+#define CONVEYOR_KQUANT_VNNI_H
+
+static inline __attribute__((always_inline)) __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+
+/* Q6_K: sa * h0 + sb * h1 for the two 16-k halves' dots, with scab = (sa, sb) as int16 pairs. */
+static inline __attribute__((always_inline)) __m256i q6_halves(__m256i h0, __m256i h1, __m256i scab) {
+    const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(scab, 16), 16), sb = _mm256_srai_epi32(scab, 16);
+    return _mm256_add_epi32(_mm256_mullo_epi32(h0, sa), _mm256_mullo_epi32(h1, sb));
+}
+
+/* dot[r][octet] = the integer dots of one decoded block with rows r < mr (Q6_K: with its scales). */
+static inline __attribute__((always_inline)) void rows_dots(const int fmt, const int mr, const block_t *blk,
+                                                            const int8_t *qx, int64_t K, __m256i (*dot)[4]) {
+    __m256i h0[MR][4];   /* Q6_K: the first half's dots, scaled at the end */
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        if (fmt == FMT_Q6_K && g == 4)
+            for (int r = 0; r < mr; r++)
+                for (int o = 0; o < 4; o++) {
+                    h0[r][o] = dot[r][o];
+                    dot[r][o] = _mm256_setzero_si256();
+                }
+        __m256i xb[MR];
+        for (int r = 0; r < mr; r++) {
+            int32_t four;
+            memcpy(&four, qx + r * K + g * 4, 4);
+            xb[r] = _mm256_set1_epi32(four);
+        }
+        for (int o = 0; o < 4; o++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
+            for (int r = 0; r < mr; r++) dot[r][o] = dpbusd(dot[r][o], w, xb[r]);
+        }
+    }
+    if (fmt == FMT_Q6_K)
+        for (int o = 0; o < 4; o++) {
+            const __m256i ab = _mm256_loadu_si256((const __m256i *)(blk->scab + o * 8));
+            for (int r = 0; r < mr; r++) dot[r][o] = q6_halves(h0[r][o], dot[r][o], ab);
+        }
+}
+
+/* dot[octet] = the integer dots of one block, decoded from the panel in registers, with one row q
+ * (Q6_K: with the halves' scales in scab). */
+static inline __attribute__((always_inline)) void one_row_dots(const int fmt, const uint8_t *nib, const uint8_t *high,
+                                                               const int8_t *q, const __m256i sc0[4],
+                                                               const __m256i sc1[4], const __m256i scab[4],
+                                                               __m256i dot[4]) {
+    (void)sc0, (void)sc1;
+    __m256i h0[4];
+    for (int o = 0; o < 4; o++) dot[o] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        if (fmt == FMT_Q6_K && g == 4)
+            for (int o = 0; o < 4; o++) {
+                h0[o] = dot[o];
+                dot[o] = _mm256_setzero_si256();
+            }
+        __m256i c[4];
+        group_codes(fmt, nib, high, g, c);
+        int32_t four;
+        memcpy(&four, q + g * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int o = 0; o < 4; o++) dot[o] = dpbusd(dot[o], c[o], xb);
+    }
+    if (fmt == FMT_Q6_K)
+        for (int o = 0; o < 4; o++) dot[o] = q6_halves(h0[o], dot[o], scab[o]);
+}
+
+#endif
