@@ -46,11 +46,17 @@
 /* vpdpbusd on 256-bit vectors: AVX-VNNI, or AVX512-VNNI with VL (which also brings 32 registers). */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define KQ_VNNI 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KQ_VNNI512 1   /* and 512-bit vpdpbusd over a decoded block's rows */
+#endif
 #endif
 #endif
 
 /* Rows per pass over a decoded block: as many as the dot accumulators leave registers for. */
-#if defined(KQ_VNNI) && defined(__AVX512VL__)
+#if defined(KQ_VNNI512)
+#define MR 6
+#define FORMAT_MR(F) (F == FMT_Q6_K ? 4 : 6)
+#elif defined(KQ_VNNI) && defined(__AVX512VL__)
 #define MR 4
 #define FORMAT_MR(F) (F == FMT_Q6_K ? 3 : 4)
 #else
@@ -388,7 +394,9 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
         const int64_t a = r * KB + kbg, left = m1 - r;                                                           \
         const int8_t *q = qx + r * K + kbg * QK;                                                                 \
         const int mr = (int)min64(FORMAT_MR(F), left);                                                           \
-        if (MR >= 4 && mr == 4) block_rows(F, MR >= 4 ? 4 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        if (MR >= 6 && mr == 6) block_rows(F, MR >= 6 ? 6 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        else if (MR >= 5 && mr == 5) block_rows(F, MR >= 5 ? 5 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        else if (MR >= 4 && mr == 4) block_rows(F, MR >= 4 ? 4 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
         else if (mr == 3) block_rows(F, 3, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));         \
         else if (mr == 2) block_rows(F, 2, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));    \
         else block_rows(F, 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));                 \
@@ -555,9 +563,12 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
     return 0;
 }
 
-/* Which code path this build took for these formats: 0 portable, 1 AVX2, 3 AVX2 with 256-bit VNNI. */
+/* Which code path this build took for these formats: 0 portable, 1 AVX2, 2 AVX-512 VNNI (512-bit
+ * over a decoded block's rows, 256-bit for one row), 3 AVX2 with 256-bit VNNI. */
 int kq_isa(void) {
-#if defined(KQ_VNNI)
+#if defined(KQ_VNNI512)
+    return 2;
+#elif defined(KQ_VNNI)
     return 3;
 #elif defined(KQ_AVX2)
     return 1;

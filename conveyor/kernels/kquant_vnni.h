@@ -23,6 +23,44 @@ static inline __attribute__((always_inline)) __m256i q6_halves(__m256i h0, __m25
     return _mm256_add_epi32(_mm256_mullo_epi32(h0, sa), _mm256_mullo_epi32(h1, sb));
 }
 
+#if defined(KQ_VNNI512)
+/* dot[r][octet] = the integer dots of one decoded block with rows r < mr (Q6_K: with its scales).
+ * Each 512-bit vector holds two octets, so a loaded code vector and a broadcast serve twice as many
+ * channels; the dots are split back into octets for octet_step. */
+static inline __attribute__((always_inline)) void rows_dots(const int fmt, const int mr, const block_t *blk,
+                                                            const int8_t *qx, int64_t K, __m256i (*dot)[4]) {
+    __m512i d[MR][2], h0[MR][2];
+    for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+        if (fmt == FMT_Q6_K && g == 4)
+            for (int r = 0; r < mr; r++)
+                for (int o = 0; o < 2; o++) {
+                    h0[r][o] = d[r][o];
+                    d[r][o] = _mm512_setzero_si512();
+                }
+        const __m512i w0 = _mm512_loadu_si512(blk->codes[g][0]), w1 = _mm512_loadu_si512(blk->codes[g][2]);
+        for (int r = 0; r < mr; r++) {
+            int32_t four;
+            memcpy(&four, qx + r * K + g * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            d[r][0] = _mm512_dpbusd_epi32(d[r][0], w0, xb);
+            d[r][1] = _mm512_dpbusd_epi32(d[r][1], w1, xb);
+        }
+    }
+    if (fmt == FMT_Q6_K)
+        for (int o = 0; o < 2; o++) {
+            const __m512i ab = _mm512_loadu_si512(blk->scab + o * 16);
+            const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(ab, 16), 16), sb = _mm512_srai_epi32(ab, 16);
+            for (int r = 0; r < mr; r++)
+                d[r][o] = _mm512_add_epi32(_mm512_mullo_epi32(h0[r][o], sa), _mm512_mullo_epi32(d[r][o], sb));
+        }
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < 2; o++) {
+            dot[r][2 * o] = _mm512_castsi512_si256(d[r][o]);
+            dot[r][2 * o + 1] = _mm512_extracti64x4_epi64(d[r][o], 1);
+        }
+}
+#else
 /* dot[r][octet] = the integer dots of one decoded block with rows r < mr (Q6_K: with its scales). */
 static inline __attribute__((always_inline)) void rows_dots(const int fmt, const int mr, const block_t *blk,
                                                             const int8_t *qx, int64_t K, __m256i (*dot)[4]) {
@@ -53,6 +91,7 @@ static inline __attribute__((always_inline)) void rows_dots(const int fmt, const
             for (int r = 0; r < mr; r++) dot[r][o] = q6_halves(h0[r][o], dot[r][o], ab);
         }
 }
+#endif
 
 /* dot[octet] = the integer dots of one block, decoded from the panel in registers, with one row q
  * (Q6_K: with the halves' scales in scab). */
