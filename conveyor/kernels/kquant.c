@@ -22,8 +22,8 @@
  * their sums. Per work item (a panel, up to MC rows) each block is decoded once into unsigned
  * codes in L1 and then multiplied by every row (the batch reuses each weight block), MR rows at a
  * time; each row's float accumulation runs in one fixed order, so no row depends on M or on the
- * other rows. Code paths: AVX2 with 256-bit VNNI dots (kquant_vnni.h), AVX2, and portable C, chosen by
- * the build flags; the first two give the same bits.
+ * other rows. Code paths: AVX-512 VNNI, AVX2 with 256-bit VNNI, AVX2 (their integer dots in
+ * kquant_dots.h), and portable C, chosen by the build flags; the SIMD paths give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -231,8 +231,8 @@ static inline __attribute__((always_inline)) __m256 octet_step(const int fmt, __
         }
 #endif
 
-#if defined(KQ_VNNI)
-#include "kquant_vnni.h"   /* rows_dots, one_row_dots */
+#if defined(KQ_AVX2)
+#include "kquant_dots.h"   /* rows_dots, one_row_dots: a block's integer dots, per instruction set */
 #endif
 
 /* Unit header + block kb within it -> block_t. */
@@ -285,74 +285,6 @@ static void decode_block(int fmt, const uint8_t *unit, int64_t kb, block_t *blk)
     }
 #endif
 }
-
-#if defined(KQ_AVX2) && !defined(KQ_VNNI)
-/* dot[r][octet] = the integer dots of one decoded block with rows r < mr (Q6_K: with its scales). */
-static inline __attribute__((always_inline)) void rows_dots(const int fmt, const int mr, const block_t *blk,
-                                                            const int8_t *qx, int64_t K, __m256i (*dot)[4]) {
-    /* maddubs sums pairs into int16; several groups are summed there before widening (madd), as
-     * many as cannot overflow with |x| <= 127: 2 * 15 * 127 * 8, 2 * 31 * 127 * 4, 2 * 63 * 127 * 2
-     * all stay under 32767. Q6_K widens with its per-16 scales as the madd operand. */
-    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
-    __m256i part[MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int g0 = 0; g0 < 8; g0 += SPAN) {
-        for (int g = g0; g < g0 + SPAN; g++) {
-            __m256i xb[MR];
-            for (int r = 0; r < mr; r++) {
-                int32_t four;
-                memcpy(&four, qx + r * K + g * 4, 4);
-                xb[r] = _mm256_set1_epi32(four);
-            }
-            for (int o = 0; o < 4; o++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
-                for (int r = 0; r < mr; r++) {
-                    const __m256i p = _mm256_maddubs_epi16(w, xb[r]);
-                    part[r][o] = g == g0 ? p : _mm256_add_epi16(part[r][o], p);
-                }
-            }
-        }
-        for (int o = 0; o < 4; o++) {
-            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g0 / 4] + o * 8)) : ones;
-            for (int r = 0; r < mr; r++) dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(part[r][o], s));
-        }
-    }
-}
-#endif
-
-#if defined(KQ_AVX2) && !defined(KQ_VNNI)
-/* dot[octet] = the integer dots of one block, decoded from the panel in registers, with one row q
- * (Q6_K: with the halves' scales sc0, sc1). */
-static inline __attribute__((always_inline)) void one_row_dots(const int fmt, const uint8_t *nib, const uint8_t *high,
-                                                               const int8_t *q, const __m256i sc0[4],
-                                                               const __m256i sc1[4], const __m256i scab[4],
-                                                               __m256i dot[4]) {
-    (void)scab;
-    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int o = 0; o < 4; o++) dot[o] = _mm256_setzero_si256();
-    for (int g0 = 0; g0 < 8; g0 += SPAN) {
-        __m256i part[4];
-        for (int g = g0; g < g0 + SPAN; g++) {
-            __m256i c[4];
-            group_codes(fmt, nib, high, g, c);
-            int32_t four;
-            memcpy(&four, q + g * 4, 4);
-            const __m256i xb = _mm256_set1_epi32(four);
-            for (int o = 0; o < 4; o++) {
-                const __m256i p = _mm256_maddubs_epi16(c[o], xb);
-                part[o] = g == g0 ? p : _mm256_add_epi16(part[o], p);
-            }
-        }
-        for (int o = 0; o < 4; o++) {
-            const __m256i s = fmt == FMT_Q6_K ? (g0 < 4 ? sc0[o] : sc1[o]) : ones;
-            dot[o] = _mm256_add_epi32(dot[o], _mm256_madd_epi16(part[o], s));
-        }
-    }
-}
-#endif
 
 /* acc[r][0..32) += this block's contribution for rows r < mr (row r's activations at offset r). */
 static inline __attribute__((always_inline)) void block_rows(const int fmt, const int mr, const block_t *blk,

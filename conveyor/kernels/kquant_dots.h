@@ -1,13 +1,80 @@
-/* kquant.c's integer block dots on CPUs with VNNI (included by kquant.c, after block_t, group_codes
- * and octet_scales). vpdpbusd multiplies the unsigned codes by the int8 activations and adds each
- * lane's 4 products straight into int32, one instruction where AVX2 needs maddubs (into int16),
- * madd and add; no int16 stage also means no span of groups to keep short against overflow.
+/* kquant.c's integer dots of one block (included by kquant.c, after block_t, group_codes and
+ * octet_scales): rows_dots for a decoded block and a few rows, one_row_dots for one row straight from
+ * the panel. dot[..][octet] holds 8 channels' int32 dots; Q6_K's include its per-16 scales.
  *
- * The int32 dots equal the AVX2 ones exactly (neither path can overflow), and both end in the same
- * octet_step, so a VNNI build's outputs are the same bits as an AVX2 build's.
+ * AVX2: maddubs into int16, madd to int32. VNNI: vpdpbusd multiplies the unsigned codes by the
+ * int8 activations and adds each lane's 4 products straight into int32, one instruction for the
+ * three, with no int16 stage to keep short against overflow. Both are exact (nothing can
+ * overflow), and kquant.c's float step after them is shared, so every path gives the same bits.
  */
-#ifndef CONVEYOR_KQUANT_VNNI_H
-#define CONVEYOR_KQUANT_VNNI_H
+#ifndef CONVEYOR_KQUANT_DOTS_H
+#define CONVEYOR_KQUANT_DOTS_H
+
+#if !defined(KQ_VNNI)   /* ---------------------------------------------------------- AVX2 */
+/* dot[r][octet] = the integer dots of one decoded block with rows r < mr (Q6_K: with its scales). */
+static inline __attribute__((always_inline)) void rows_dots(const int fmt, const int mr, const block_t *blk,
+                                                            const int8_t *qx, int64_t K, __m256i (*dot)[4]) {
+    /* maddubs sums pairs into int16; several groups are summed there before widening (madd), as
+     * many as cannot overflow with |x| <= 127: 2 * 15 * 127 * 8, 2 * 31 * 127 * 4, 2 * 63 * 127 * 2
+     * all stay under 32767. Q6_K widens with its per-16 scales as the madd operand. */
+    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
+    __m256i part[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g0 = 0; g0 < 8; g0 += SPAN) {
+        for (int g = g0; g < g0 + SPAN; g++) {
+            __m256i xb[MR];
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, qx + r * K + g * 4, 4);
+                xb[r] = _mm256_set1_epi32(four);
+            }
+            for (int o = 0; o < 4; o++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
+                for (int r = 0; r < mr; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(w, xb[r]);
+                    part[r][o] = g == g0 ? p : _mm256_add_epi16(part[r][o], p);
+                }
+            }
+        }
+        for (int o = 0; o < 4; o++) {
+            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g0 / 4] + o * 8)) : ones;
+            for (int r = 0; r < mr; r++) dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(part[r][o], s));
+        }
+    }
+}
+
+/* dot[octet] = the integer dots of one block, decoded from the panel in registers, with one row q
+ * (Q6_K: with the halves' scales sc0, sc1). */
+static inline __attribute__((always_inline)) void one_row_dots(const int fmt, const uint8_t *nib, const uint8_t *high,
+                                                               const int8_t *q, const __m256i sc0[4],
+                                                               const __m256i sc1[4], const __m256i scab[4],
+                                                               __m256i dot[4]) {
+    (void)scab;
+    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int o = 0; o < 4; o++) dot[o] = _mm256_setzero_si256();
+    for (int g0 = 0; g0 < 8; g0 += SPAN) {
+        __m256i part[4];
+        for (int g = g0; g < g0 + SPAN; g++) {
+            __m256i c[4];
+            group_codes(fmt, nib, high, g, c);
+            int32_t four;
+            memcpy(&four, q + g * 4, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            for (int o = 0; o < 4; o++) {
+                const __m256i p = _mm256_maddubs_epi16(c[o], xb);
+                part[o] = g == g0 ? p : _mm256_add_epi16(part[o], p);
+            }
+        }
+        for (int o = 0; o < 4; o++) {
+            const __m256i s = fmt == FMT_Q6_K ? (g0 < 4 ? sc0[o] : sc1[o]) : ones;
+            dot[o] = _mm256_add_epi32(dot[o], _mm256_madd_epi16(part[o], s));
+        }
+    }
+}
+#else   /* ------------------------------------------------------------------------- VNNI */
 
 static inline __attribute__((always_inline)) __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -119,4 +186,5 @@ static inline __attribute__((always_inline)) void one_row_dots(const int fmt, co
         for (int o = 0; o < 4; o++) dot[o] = q6_halves(h0[o], dot[o], scab[o]);
 }
 
+#endif
 #endif
