@@ -100,7 +100,7 @@ def test_vnni_equals_avx2_at_the_extremes(build: str, fmt: str) -> None:
 
 @pytest.mark.parametrize("build", list(VNNI_BUILDS))
 def test_vnni_equals_avx2_in_a_mixed_linear(build: str) -> None:
-    k, parts = 512, [("q5_0", 64), ("q6_k", 40), ("q8_0", 33), ("q4_k", 32), ]
+    k, parts = 512, [("q5_0", 64), ("q6_k", 40), ("q8_0", 33), ("q4_k", 32)]
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(sum(n for _, n in parts), generator=torch.Generator().manual_seed(4))
     outputs = []
