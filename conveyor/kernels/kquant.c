@@ -22,7 +22,8 @@
  * their sums. Per work item (a panel, up to MC rows) each block is decoded once into unsigned
  * codes in L1 and then multiplied by every row (the batch reuses each weight block), MR rows at a
  * time; each row's float accumulation runs in one fixed order, so no row depends on M or on the
- * other rows. Code paths: AVX2 (also on AVX-512 parts) and portable C, chosen by the build flags.
+ * other rows. Code paths: AVX-512 VNNI, AVX2 with 256-bit VNNI, AVX2 (their integer dots in
+ * kquant_dots.h), and portable C, chosen by the build flags; the SIMD paths give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,13 +37,31 @@
 #endif
 
 #define MC 64
-#define MR 3
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KQ_AVX2 1
+/* vpdpbusd on 256-bit vectors: AVX-VNNI, or AVX512-VNNI with VL (which also brings 32 registers). */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define KQ_VNNI 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KQ_VNNI512 1   /* and 512-bit vpdpbusd over a decoded block's rows */
+#endif
+#endif
+#endif
+
+/* Rows per pass over a decoded block: as many as the dot accumulators leave registers for. */
+#if defined(KQ_VNNI512)
+#define MR 6
+#define FORMAT_MR(F) (F == FMT_Q6_K ? 4 : 6)
+#elif defined(KQ_VNNI) && defined(__AVX512VL__)
+#define MR 4
+#define FORMAT_MR(F) (F == FMT_Q6_K ? 3 : 4)
+#else
+#define MR 3
+#define FORMAT_MR(F) (F == FMT_Q4_K ? 3 : 2)   /* AVX2: Q4_K sums all 8 groups in int16, the others need more */
 #endif
 
 /* quant.c: the legacy formats' tiles over activations quantized here. */
@@ -184,6 +203,36 @@ static inline __attribute__((always_inline)) void octet_scales(const int fmt, co
         *mmul = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(m));
     }
 }
+
+/* One block's step for 8 channels of one row: a + its integer dots dt, with the zero point / Q6_K
+ * offset taken off in int32 (x = the row's block values), then one fixed float sequence per channel.
+ * Every integer path (maddubs, dpbusd) ends here, so all give the same bits. */
+static inline __attribute__((always_inline)) __m256 octet_step(const int fmt, __m256i dt, __m256 a, __m256 dmul,
+                                                               __m256 mmul, __m256i scab, float dx, int32_t sx,
+                                                               float sxd, int32_t s16) {
+    if (fmt == FMT_Q5_0) dt = _mm256_sub_epi32(dt, _mm256_set1_epi32(16 * sx));
+    if (fmt == FMT_Q6_K)
+        dt = _mm256_sub_epi32(dt, _mm256_slli_epi32(_mm256_madd_epi16(scab, _mm256_set1_epi32(s16)), 5));
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), _mm256_mul_ps(dmul, _mm256_set1_ps(dx)), a);
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) a = _mm256_fnmadd_ps(mmul, _mm256_set1_ps(sxd), a);
+    return a;
+}
+
+/* The same for block_rows' layout: acc[r][0..32) of rows r < mr from dot[r][octet]. */
+#define ROWS_STEP(fmt, mr, blk, dot, acc, dx, sx, sxd, s16, KB)                                                     \
+    for (int r = 0; r < (mr); r++)                                                                              \
+        for (int o = 0; o < 4; o++) {                                                                           \
+            const int64_t i_ = r * (KB);                                                                        \
+            const __m256 a_ = octet_step(fmt, dot[r][o], _mm256_loadu_ps(acc[r] + o * 8),                       \
+                                         _mm256_loadu_ps((blk)->dmul + o * 8), _mm256_loadu_ps((blk)->mmul + o * 8), \
+                                         _mm256_loadu_si256((const __m256i *)((blk)->scab + o * 8)), dx[i_],    \
+                                         sx[i_], sxd[i_], s16[i_]);                                             \
+            _mm256_storeu_ps(acc[r] + o * 8, a_);                                                               \
+        }
+#endif
+
+#if defined(KQ_AVX2)
+#include "kquant_dots.h"   /* rows_dots, one_row_dots: a block's integer dots, per instruction set */
 #endif
 
 /* Unit header + block kb within it -> block_t. */
@@ -243,52 +292,9 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
                                                              const int32_t *sx, const float *sxd,
                                                              const int32_t *s16, int64_t KB, float (*acc)[NR]) {
 #if defined(KQ_AVX2)
-    /* maddubs sums pairs into int16; several groups are summed there before widening (madd), as
-     * many as cannot overflow with |x| <= 127: 2 * 15 * 127 * 8, 2 * 31 * 127 * 4, 2 * 63 * 127 * 2
-     * all stay under 32767. Q6_K widens with its per-16 scales as the madd operand. */
-    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
-    __m256i dot[MR][4], part[MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < 4; o++) dot[r][o] = _mm256_setzero_si256();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int g0 = 0; g0 < 8; g0 += SPAN) {
-        for (int g = g0; g < g0 + SPAN; g++) {
-            __m256i xb[MR];
-            for (int r = 0; r < mr; r++) {
-                int32_t four;
-                memcpy(&four, qx + r * K + g * 4, 4);
-                xb[r] = _mm256_set1_epi32(four);
-            }
-            for (int o = 0; o < 4; o++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)blk->codes[g][o]);
-                for (int r = 0; r < mr; r++) {
-                    const __m256i p = _mm256_maddubs_epi16(w, xb[r]);
-                    part[r][o] = g == g0 ? p : _mm256_add_epi16(part[r][o], p);
-                }
-            }
-        }
-        for (int o = 0; o < 4; o++) {
-            const __m256i s = fmt == FMT_Q6_K ? _mm256_loadu_si256((const __m256i *)(blk->sc16[g0 / 4] + o * 8)) : ones;
-            for (int r = 0; r < mr; r++) dot[r][o] = _mm256_add_epi32(dot[r][o], _mm256_madd_epi16(part[r][o], s));
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        const int64_t i = r * KB;
-        const __m256 sdx = _mm256_set1_ps(dx[i]);
-        for (int o = 0; o < 4; o++) {
-            __m256i dt = dot[r][o];
-            if (fmt == FMT_Q5_0) dt = _mm256_sub_epi32(dt, _mm256_set1_epi32(16 * sx[i]));
-            if (fmt == FMT_Q6_K) {
-                const __m256i ab = _mm256_loadu_si256((const __m256i *)(blk->scab + o * 8));
-                dt = _mm256_sub_epi32(dt, _mm256_slli_epi32(_mm256_madd_epi16(ab, _mm256_set1_epi32(s16[i])), 5));
-            }
-            __m256 a = _mm256_loadu_ps(acc[r] + o * 8);
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), _mm256_mul_ps(_mm256_loadu_ps(blk->dmul + o * 8), sdx), a);
-            if (fmt == FMT_Q4_K || fmt == FMT_Q5_K)
-                a = _mm256_fnmadd_ps(_mm256_loadu_ps(blk->mmul + o * 8), _mm256_set1_ps(sxd[i]), a);
-            _mm256_storeu_ps(acc[r] + o * 8, a);
-        }
-    }
+    __m256i dot[MR][4];
+    rows_dots(fmt, mr, blk, qx, K, dot);
+    ROWS_STEP(fmt, mr, blk, dot, acc, dx, sx, sxd, s16, KB)
 #else
     for (int r = 0; r < mr; r++) {
         const int64_t i = r * KB;
@@ -315,13 +321,15 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
 #endif
 }
 
-/* Q4_K sums all 8 groups in int16 and has registers for 3 rows; the others for 2. */
 #define FORMAT_ROWS(F)                                                                                           \
     for (int64_t r = m0; r < m1;) {                                                                             \
         const int64_t a = r * KB + kbg, left = m1 - r;                                                           \
         const int8_t *q = qx + r * K + kbg * QK;                                                                 \
-        const int mr = left >= 3 && F == FMT_Q4_K ? 3 : left >= 2 ? 2 : 1;                                      \
-        if (mr == 3) block_rows(F, 3, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));         \
+        const int mr = (int)min64(FORMAT_MR(F), left);                                                           \
+        if (MR >= 6 && mr == 6) block_rows(F, MR >= 6 ? 6 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        else if (MR >= 5 && mr == 5) block_rows(F, MR >= 5 ? 5 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        else if (MR >= 4 && mr == 4) block_rows(F, MR >= 4 ? 4 : 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0)); \
+        else if (mr == 3) block_rows(F, 3, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));         \
         else if (mr == 2) block_rows(F, 2, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));    \
         else block_rows(F, 1, &blk, q, K, dx + a, sx + a, sxd + a, s16 + a, KB, acc + (r - m0));                 \
         r += mr;                                                                                                 \
@@ -333,8 +341,6 @@ static inline __attribute__((always_inline)) void block_rows(const int fmt, cons
 static inline __attribute__((always_inline)) void panel_one_row(const int fmt, const uint8_t *wp, int64_t K,
                                                                 const acts *x, float *acc) {
     const int64_t blocks = unit_k(fmt) / QK, units = K / unit_k(fmt);
-    const int SPAN = fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 2 : 4;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t u = 0; u < units; u++) {
         const uint8_t *unit = wp + u * unit_bytes(fmt);
@@ -351,36 +357,11 @@ static inline __attribute__((always_inline)) void panel_one_row(const int fmt, c
                 sc0[o] = sc1[o] = scab[o] = _mm256_setzero_si256();
                 octet_scales(fmt, unit, kb, o, &dmul[o], &mmul[o], &sc0[o], &sc1[o], &scab[o]);
             }
-            __m256i dot[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                              _mm256_setzero_si256()};
-            for (int g0 = 0; g0 < 8; g0 += SPAN) {
-                __m256i part[4];
-                for (int g = g0; g < g0 + SPAN; g++) {
-                    __m256i c[4];
-                    group_codes(fmt, nib, high, g, c);
-                    int32_t four;
-                    memcpy(&four, q + g * 4, 4);
-                    const __m256i xb = _mm256_set1_epi32(four);
-                    for (int o = 0; o < 4; o++) {
-                        const __m256i p = _mm256_maddubs_epi16(c[o], xb);
-                        part[o] = g == g0 ? p : _mm256_add_epi16(part[o], p);
-                    }
-                }
-                for (int o = 0; o < 4; o++) {
-                    const __m256i s = fmt == FMT_Q6_K ? (g0 < 4 ? sc0[o] : sc1[o]) : ones;
-                    dot[o] = _mm256_add_epi32(dot[o], _mm256_madd_epi16(part[o], s));
-                }
-            }
-            const __m256 sdx = _mm256_set1_ps(x->dx[kbg]);
-            for (int o = 0; o < 4; o++) {
-                __m256i dt = dot[o];
-                if (fmt == FMT_Q5_0) dt = _mm256_sub_epi32(dt, _mm256_set1_epi32(16 * x->sx[kbg]));
-                if (fmt == FMT_Q6_K)
-                    dt = _mm256_sub_epi32(dt, _mm256_slli_epi32(_mm256_madd_epi16(scab[o], _mm256_set1_epi32(x->s16[kbg])), 5));
-                a[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), _mm256_mul_ps(dmul[o], sdx), a[o]);
-                if (fmt == FMT_Q4_K || fmt == FMT_Q5_K)
-                    a[o] = _mm256_fnmadd_ps(mmul[o], _mm256_set1_ps(x->sxd[kbg]), a[o]);
-            }
+            __m256i dot[4];
+            one_row_dots(fmt, nib, high, q, sc0, sc1, scab, dot);
+            for (int o = 0; o < 4; o++)
+                a[o] = octet_step(fmt, dot[o], a[o], dmul[o], mmul[o], scab[o], x->dx[kbg], x->sx[kbg], x->sxd[kbg],
+                                  x->s16[kbg]);
         }
     }
     for (int o = 0; o < 4; o++) _mm256_storeu_ps(acc + o * 8, a[o]);
@@ -514,9 +495,14 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
     return 0;
 }
 
-/* Which code path this build took for these formats: 0 portable, 1 AVX2. */
+/* Which code path this build took for these formats: 0 portable, 1 AVX2, 2 AVX-512 VNNI (512-bit
+ * over a decoded block's rows, 256-bit for one row), 3 AVX2 with 256-bit VNNI. */
 int kq_isa(void) {
-#if defined(KQ_AVX2)
+#if defined(KQ_VNNI512)
+    return 2;
+#elif defined(KQ_VNNI)
+    return 3;
+#elif defined(KQ_AVX2)
     return 1;
 #else
     return 0;

@@ -14,7 +14,9 @@
  * Q8 activations, by kquant.c's linear layer, which runs these tiles as its segments. Per block the integer dot is exact, and the float step
  *   acc += float(isum - zp * sum(q_x)) * (d_w * d_x)   (+ m_w * (d_x * sum(q_x)))
  * runs in one fixed order per row, so a row's output never depends on M or on the other rows.
- * Code paths: AVX-512 VNNI, AVX2 (maddubs/madd), portable C; chosen by the build flags.
+ * Code paths: AVX-512 VNNI, AVX2 with 256-bit VNNI, AVX2 (maddubs/madd), portable C; chosen by the
+ * build flags. All integer dots are exact and the float steps the same, so the SIMD paths agree bit
+ * for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +40,10 @@ enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_AVX2 1
 #define MR 4
+/* 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI with VL but no BW) in the AVX2 tile. */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAVE_VNNI256 1
+#endif
 #else
 #define MR 4
 #endif
@@ -118,12 +124,26 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
     }
 }
 #elif defined(HAVE_AVX2)
-/* 16 registers: the panel goes in two halves of 16 channels (two 8-lane vectors each). */
+#if defined(HAVE_VNNI256)
+#define VNNI256 1
+INLINE __m256i vnni256(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+#else
+#define VNNI256 0
+#endif
+/* 16 registers: the panel goes in two halves of 16 channels (two 8-lane vectors each). With VNNI,
+ * one vpdpbusd replaces maddubs + madd + add and takes Q8's unsigned codes as they are. */
 INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, const int8_t *qx, int64_t K,
                  const float *dx, const int32_t *sx, const float *sxd, const float *bias, float *y,
                  int64_t ldy, int64_t nc) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)flip, (void)ones;
     for (int h = 0; h < 2; h++) {
         const int64_t cols = nc - h * 16;
         if (cols <= 0) break;
@@ -136,9 +156,13 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
             for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 __m256i w0, w1;
-                if (fmt == FMT_Q8) {   /* back to signed codes; |q| with the sign moved onto x keeps maddubs from saturating */
-                    w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64)), flip);
-                    w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64 + 32)), flip);
+                if (fmt == FMT_Q8) {
+                    w0 = _mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64));
+                    w1 = _mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64 + 32));
+#if !defined(HAVE_VNNI256)   /* back to signed codes; |q| with the sign moved onto x keeps maddubs from saturating */
+                    w0 = _mm256_xor_si256(w0, flip);
+                    w1 = _mm256_xor_si256(w1, flip);
+#endif
                 } else {
                     const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + g * 64));
                     const __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + g * 64 + 32));
@@ -149,6 +173,10 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
                     int32_t four;
                     memcpy(&four, qx + r * K + kb * QK + g * 4, 4);
                     const __m256i xb = _mm256_set1_epi32(four);
+#if defined(HAVE_VNNI256)
+                    dot[r][0] = vnni256(dot[r][0], w0, xb);
+                    dot[r][1] = vnni256(dot[r][1], w1, xb);
+#else
                     __m256i p0, p1;
                     if (fmt == FMT_Q8) {
                         p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(xb, w0));
@@ -159,14 +187,15 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
                     }
                     dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
                     dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+#endif
                 }
             }
             const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + h * 32)));
             const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + h * 32 + 16)));
             for (int r = 0; r < mr; r++) {
                 const int64_t i = r * KB + kb;
-                if (fmt == FMT_Q4_0) {   /* Q8's codes are already signed here */
-                    const __m256i zs = _mm256_set1_epi32(8 * sx[i]);
+                if (fmt == FMT_Q4_0 || (VNNI256 && fmt == FMT_Q8)) {   /* maddubs took Q8's codes signed */
+                    const __m256i zs = _mm256_set1_epi32(zero_point(fmt) * sx[i]);
                     dot[r][0] = _mm256_sub_epi32(dot[r][0], zs);
                     dot[r][1] = _mm256_sub_epi32(dot[r][1], zs);
                 }
@@ -252,10 +281,13 @@ void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, 
 
 int64_t quant_panel_bytes(int fmt, int64_t K) { return K / QK * block_bytes(fmt); }
 
-/* Which code path this build took, for logs and tests: 0 portable, 1 AVX2, 2 AVX-512 VNNI. */
+/* Which code path this build took, for logs and tests: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AVX2
+ * with 256-bit VNNI. */
 int quant_isa(void) {
 #if defined(HAVE_VNNI512)
     return 2;
+#elif defined(HAVE_VNNI256)
+    return 3;
 #elif defined(HAVE_AVX2)
     return 1;
 #else

@@ -75,11 +75,14 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
     return lib
 
 
+_ISA = ("portable", "avx2", "avx512-vnni", "avx2-vnni")   # the C side's code path numbers
+
+
 def isa(built: KernelLibrary, fmt: str = "q8_0") -> str:
     """The code path `fmt` runs on in this build."""
     if fmt in LEGACY:
-        return ("portable", "avx2", "avx512-vnni")[_lib(built).quant_isa()]
-    return ("portable", "avx2")[_lib(built).kq_isa()]
+        return _ISA[_lib(built).quant_isa()]
+    return _ISA[_lib(built).kq_isa()]
 
 
 def can_keep(fmt: str, k: int) -> bool:
