@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -80,9 +79,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 ids = []
-                for j in range(params.n):   # choice j samples with seed + j, as the server's choices do
-                    seed = None if params.seed is None else (params.seed + j) % 2**64
-                    choice = dataclasses.replace(params, n=1, best_of=None, seed=seed)
+                for j in range(params.n):
+                    choice = params.for_choice(j)
                     if j > 0 and stagger:
                         request_id = uuid.uuid4().hex
                         siblings[ids[0]].append((prompt, choice, request_id))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.config import EngineConfig
 from conveyor.core.request import FinishReason
-from conveyor.engine.admission import check_token_ids
+from conveyor.engine.admission import check_request, check_token_ids
 from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
 from conveyor.engine.output_processor import OutputProcessor
@@ -95,6 +95,7 @@ class LLMEngine:
                                  param="n")
         request_id = request_id or uuid.uuid4().hex
         prompt_token_ids = self.encode_prompt(prompt)
+        check_request(prompt_token_ids, params, self.core.info)   # the server's admission, so the same refusals
         if params.structured_outputs is not None:   # refused here if it does not compile; the core's is a cache hit
             grammar_compiler(self.model_path, self.core.info.vocab_size,
                              lambda: self.tokenizer).compile(params.structured_outputs)

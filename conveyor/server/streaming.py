@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -43,15 +42,14 @@ class PromptGroup:
     the group admits and starts the first choice of every prompt (`AsyncEngine.add`), so a refusal
     (400, 429, 503) is raised here, before any response starts. A prompt's other choices start when
     its first one has its first token: the prompt's KV blocks are then in the prefix cache, so it is
-    computed once. A seeded request's choice j samples with seed + j, so the choices differ and each
-    is reproducible; a start refused then (the server filled up meanwhile) ends those choices with
-    that error.
+    computed once. Choice j runs `params.for_choice(j)`; a start refused then (the server filled up
+    meanwhile) ends those choices with that error.
     """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
-                 params: SamplingParams, priority: int = 0, tenant: str = "", n: int = 1) -> None:
+                 params: SamplingParams, priority: int = 0, tenant: str = "") -> None:
         self.group_id = group_id
-        self.n = n
+        self.n = n = params.n
         self.num_prompts = len(prompt_token_ids) * n       # choices: what the response lists
         self._engine = engine
         self._prompts = prompt_token_ids
@@ -62,8 +60,8 @@ class PromptGroup:
         self._closed = False
         self._siblings_started: set[int] = set()   # first choices whose n - 1 siblings were started
         firsts = [i * n for i in range(len(prompt_token_ids))]
-        self._start(firsts, engine.add(prompt_token_ids, params, [self._request_ids[k] for k in firsts], priority,
-                                       tenant))
+        self._start(firsts, engine.add(prompt_token_ids, params.for_choice(0), [self._request_ids[k] for k in firsts],
+                                       priority, tenant))
 
     def _start(self, indexes: list[int], queues: list[OutputQueue]) -> None:
         self._tasks += [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
@@ -78,11 +76,8 @@ class PromptGroup:
         prompt = self._prompts[first // self.n]
         try:
             for index in siblings:
-                params = self._params
-                if params.seed is not None:
-                    params = dataclasses.replace(params, seed=(params.seed + index - first) % 2**64)
-                self._start([index], self._engine.add([prompt], params, [self._request_ids[index]],
-                                                      self._priority, self._tenant))
+                self._start([index], self._engine.add([prompt], self._params.for_choice(index - first),
+                                                      [self._request_ids[index]], self._priority, self._tenant))
         except ConveyorError as exc:
             started = {task.get_name() for task in self._tasks}
             for index in siblings:
