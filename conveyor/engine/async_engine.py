@@ -117,8 +117,7 @@ class AsyncEngine:
         the same capacity check in between: raise for a request that could never run (400), past the
         waiting-queue bound (429), or while not accepting (503); else send them to the core and
         return one output queue per prompt, for `outputs`."""
-        for prompt_token_ids in prompts:
-            check_request(prompt_token_ids, params, self.info)
+        max_tokens = [check_request(prompt_token_ids, params, self.info) for prompt_token_ids in prompts]
         self._check_accepting()
         limit = self.max_waiting_requests
         if limit is not None and self.num_would_wait(len(prompts)) > limit:
@@ -131,15 +130,15 @@ class AsyncEngine:
         arrival_s = self.clock()
         queues: list[OutputQueue] = []
         core_requests = []
-        for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True):
+        for request_id, prompt_token_ids, resolved in zip(request_ids, prompts, max_tokens, strict=True):
             queue: OutputQueue = asyncio.Queue()
             self._queues[request_id] = queue
             self._tenant_of[request_id] = tenant
             self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
             self.processor.add(request_id, prompt_token_ids, params)
-            core_requests.append(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                             arrival_s, priority, tenant))
+            core_requests.append(CoreRequest(request_id, prompt_token_ids, params, resolved,
+                                             self.tokenizer.eos_token_ids, arrival_s, priority, tenant))
         self._num_in_transit += len(core_requests)
         self.client.send(AddRequests(core_requests))
         return queues

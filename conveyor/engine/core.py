@@ -173,14 +173,14 @@ class EngineCore:
     # ------------------------------------------------------------ requests
 
     def add(self, core_request: CoreRequest) -> None:
-        """Queue a validated request. Raises ContextLengthExceeded / QueueFull / InvalidRequest (duplicate id)."""
+        """Queue a request admitted by the front (engine/admission.py). Raises InvalidRequest for a duplicate id."""
         params = core_request.params
         request = Request(
             request_id=core_request.request_id,
             prompt_token_ids=core_request.prompt_token_ids,
             params=params,
             arrival_s=core_request.arrival_s,
-            max_tokens=params.max_tokens,
+            max_tokens=core_request.max_tokens,
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
             tenant=core_request.tenant,

@@ -95,11 +95,11 @@ class LLMEngine:
                                  param="n")
         request_id = request_id or uuid.uuid4().hex
         prompt_token_ids = self.encode_prompt(prompt)
-        check_request(prompt_token_ids, params, self.core.info)   # the server's admission, so the same refusals
+        max_tokens = check_request(prompt_token_ids, params, self.core.info)   # the server's admission too
         if params.structured_outputs is not None:   # refused here if it does not compile; the core's is a cache hit
             grammar_compiler(self.model_path, self.core.info.vocab_size,
                              lambda: self.tokenizer).compile(params.structured_outputs)
-        self.core.add(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
+        self.core.add(CoreRequest(request_id, prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids,
                                   self.clock() if arrival_s is None else arrival_s, priority, tenant))
         self.processor.add(request_id, prompt_token_ids, params)  # after the core took it
         return request_id

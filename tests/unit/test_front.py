@@ -71,8 +71,14 @@ def test_admission_refuses_stop_token_ids_outside_the_vocabulary() -> None:
 
 
 def test_admission_accepts_a_request_that_fits_exactly() -> None:
-    check_request([1] * 40, SamplingParams(max_tokens=8), INFO)
-    check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4))
+    assert check_request([1] * 40, SamplingParams(max_tokens=8), INFO) == 8
+    assert check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4)) == 17
+
+
+def test_admission_resolves_max_tokens_none_to_what_the_model_length_leaves() -> None:
+    info = dataclasses.replace(INFO, num_kv_blocks=4)   # the cache holds the whole model length
+    assert check_request([1] * 30, SamplingParams(max_tokens=None), info) == info.max_model_len - 30
+    assert check_request([1] * 30, SamplingParams(max_tokens=5), info) == 5
 
 
 class RecordingClient:
@@ -202,7 +208,7 @@ class FakeCore:
 
 
 def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> None:
-    add = AddRequests([CoreRequest("a", [1], SamplingParams(), frozenset(), 0.0)])
+    add = AddRequests([CoreRequest("a", [1], SamplingParams(), 16, frozenset(), 0.0)])
     inbox: list[list[CoreCommand]] = [[add], [], [], [AbortRequests(["unknown"])], [Shutdown()]]
     timeouts: list[float] = []
     sent: list[StepOutputs] = []
