@@ -59,3 +59,25 @@ class Front:
         string was found: the caller tells the core to finish them."""
         outputs = [output for delta in deltas if (output := self.processor.process(delta)) is not None]
         return outputs, self.processor.take_stop_hits()
+
+
+class Choices:
+    """One prompt's n choices; choice j runs as one sequence with `params.for_choice(j)`.
+
+    The first starts at once. With `stagger`, the other n - 1 start when the first has its first
+    output: the prompt's KV blocks are then in the prefix cache, so it is computed once, not n times.
+    """
+
+    def __init__(self, params: SamplingParams, stagger: bool) -> None:
+        self.params = params
+        self._later = list(range(1, params.n)) if stagger else []
+
+    def start_now(self) -> list[tuple[int, SamplingParams]]:
+        """(choice index, its params) of the choices to start with the request."""
+        later = set(self._later)
+        return [(j, self.params.for_choice(j)) for j in range(self.params.n) if j not in later]
+
+    def start_after_first_output(self) -> list[tuple[int, SamplingParams]]:
+        """The choices that waited for the first one's first output; empty after the first call."""
+        later, self._later = self._later, []
+        return [(j, self.params.for_choice(j)) for j in later]

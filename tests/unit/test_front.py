@@ -11,6 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conveyor.config import SchedulerConfig
 from conveyor.engine.admission import check_request
+from conveyor.engine.front import Choices
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
@@ -223,3 +224,22 @@ def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> N
     assert timeouts == [IDLE_WAIT_S, 0.0, IDLE_WAIT_S, IDLE_WAIT_S, IDLE_WAIT_S]   # waits only when idle
     assert core.handled == [AddRequests, AbortRequests]
     assert core.closed   # what the core started beside itself stops with the loop
+
+
+# ------------------------------------------------------------------ a prompt's n choices (both faces)
+
+
+def test_choices_start_the_first_now_and_the_rest_after_its_first_output() -> None:
+    choices = Choices(SamplingParams(n=3, best_of=3, seed=7), stagger=True)
+    [(index, first)] = choices.start_now()
+    assert (index, first.n, first.best_of, first.seed) == (0, 1, None, 7)
+    later = choices.start_after_first_output()
+    assert [(j, p.n, p.seed) for j, p in later] == [(1, 1, 8), (2, 1, 9)]
+    assert choices.start_after_first_output() == []
+
+
+def test_choices_without_stagger_all_start_now_and_seeds_wrap() -> None:
+    choices = Choices(SamplingParams(n=2, seed=2**64 - 1), stagger=False)
+    assert [(j, p.seed) for j, p in choices.start_now()] == [(0, 2**64 - 1), (1, 0)]
+    assert choices.start_after_first_output() == []
+    assert [p.seed for _, p in Choices(SamplingParams(n=2), stagger=False).start_now()] == [None, None]
