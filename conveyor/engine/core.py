@@ -165,31 +165,35 @@ class EngineCore:
                     raise ConveyorError(f"the structured output grammar could not be compiled: {error}")
                 self.scheduler.add(request)
             except ConveyorError as exc:
-                self.structured.drop(request_id)
-                live = self._live.pop(request_id)
-                self._pending.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
-                                                error=str(exc), metrics=self._metrics(live.request)))
+                delta = self._end(request_id, FinishReason.ERROR, error=str(exc))
+                if delta is not None:
+                    self._pending.append(delta)
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; its KV blocks are free before the next step. False if unknown."""
-        live = self._live.pop(request_id, None)
-        self.structured.drop(request_id)
-        if self._compiling.pop(request_id, None) is not None:
-            return live is not None
-        return self.scheduler.abort(request_id)
+        return self._end(request_id, FinishReason.ABORT) is not None
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> TokenDelta | None:
         """End a request from outside (a stop string the front found); its last delta goes out with the next step."""
+        if request_id not in self._live:
+            return None
+        delta = self._end(request_id, reason, stop_reason)
+        if delta is not None:
+            self._pending.append(delta)
+        return delta
+
+    def _end(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None,
+             error: str | None = None) -> TokenDelta | None:
+        """The one teardown of a request the core still holds, in any state: its grammar, its KV blocks,
+        its sampling state. Returns its last delta; None for a request the core does not hold."""
         live = self._live.pop(request_id, None)
+        self.structured.drop(request_id)
+        if self._compiling.pop(request_id, None) is None:
+            self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
             return None
-        self.structured.drop(request_id)
-        self._compiling.pop(request_id, None)
-        self.scheduler.finish(request_id, reason, stop_reason)
-        delta = TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason,
-                           metrics=self._metrics(live.request))
-        self._pending.append(delta)
-        return delta
+        return TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason, error=error,
+                          metrics=self._metrics(live.request))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
@@ -237,12 +241,7 @@ class EngineCore:
             deltas = self._pending
             self._pending = []
             for request_id in list(self._live):
-                live = self._live.pop(request_id)
-                self.structured.drop(request_id)
-                self._compiling.pop(request_id, None)
-                self.scheduler.finish(request_id, FinishReason.ERROR)
-                deltas.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
-                                         error=f"engine error: {exc}", metrics=self._metrics(live.request)))
+                deltas += self._fail_request(request_id, f"engine error: {exc}")
             return self._outputs(deltas, None)
 
     def load(self) -> CoreLoad:
@@ -348,13 +347,8 @@ class EngineCore:
 
     def _fail_request(self, request_id: str, message: str) -> list[TokenDelta]:
         """End one request with an error its client sees; its blocks are free at once."""
-        live = self._live.pop(request_id, None)
-        self.structured.drop(request_id)
-        self.scheduler.finish(request_id, FinishReason.ERROR)
-        if live is None:
-            return []
-        return [TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value, error=message,
-                           metrics=self._metrics(live.request))]
+        delta = self._end(request_id, FinishReason.ERROR, error=message)
+        return [] if delta is None else [delta]
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:
