@@ -25,7 +25,7 @@ def replay(core, requests, times: list[float]) -> dict:
     def add(prefix: str, batch) -> None:
         core.handle(AddRequests([CoreRequest(f"{prefix}{i}", r.prompt_token_ids,
                                              SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0),
-                                             frozenset(), time.monotonic()) for i, r in batch]))
+                                             r.max_tokens, frozenset(), time.monotonic()) for i, r in batch]))
 
     add("warmup-", enumerate(warmup_workload(vocab_high=min(40000, core.info.vocab_size))))
     while core.has_unfinished_requests():

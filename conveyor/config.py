@@ -122,7 +122,6 @@ class SchedulerConfig:
     max_num_seqs: int = _BALANCED.max_num_seqs
     max_num_batched_tokens: int = _BALANCED.max_num_batched_tokens
     max_model_len: int | None = None        # None = the model's own context length
-    max_waiting_requests: int | None = None  # None = unbounded
     target_itl_ms: float | None = _BALANCED.target_itl_ms
     min_prefill_chunk: int = _BALANCED.min_prefill_chunk
     # A prompt longer than the threshold (None: max_num_batched_tokens, a prompt one step cannot take)
@@ -174,12 +173,6 @@ class SchedulerConfig:
                 or self.max_priority_preemptions < 0:
             raise ValueError(f"max_priority_preemptions must be a non-negative integer, "
                              f"got {self.max_priority_preemptions!r}")
-        if self.max_waiting_requests is not None and (
-            not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0
-        ):
-            raise ValueError(
-                f"max_waiting_requests must be a non-negative integer, got {self.max_waiting_requests!r}"
-            )
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -11,6 +10,7 @@ from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
+from conveyor.engine.front import Choices
 from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.runtime.sampler import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
@@ -49,6 +49,13 @@ class _Pending:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Later:
+    prompt: Prompt
+    choices: Choices
+    request_ids: list[str]
+
+
 class LLM:
     """Runs many prompts through one continuous batch; outputs come back in input order."""
 
@@ -73,26 +80,19 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         pending: dict[str, _Pending] = {}
         order: list[list[str]] = []      # per prompt, its choices' request ids
-        # With prefix caching, a prompt's other n - 1 choices join once its first has computed the
-        # prompt (its first output), so they find it cached instead of computing it n times.
+        # Only with prefix caching is there a gain in the other choices waiting for the first's output.
         stagger = self.engine.core.info.enable_prefix_caching
-        siblings: dict[str, list[tuple[Prompt, SamplingParams, str]]] = {}
+        later: dict[str, _Later] = {}    # first choice's request id -> the choices that wait for it
         try:
             for prompt, params in zip(prompts, params_list):
-                ids = []
-                for j in range(params.n):   # choice j samples with seed + j, as the server's choices do
-                    seed = None if params.seed is None else (params.seed + j) % 2**64
-                    choice = dataclasses.replace(params, n=1, best_of=None, seed=seed)
-                    if j > 0 and stagger:
-                        request_id = uuid.uuid4().hex
-                        siblings[ids[0]].append((prompt, choice, request_id))
-                    else:
-                        request_id = self.engine.add_request(prompt, choice)
-                        siblings[request_id] = []
-                    pending[request_id] = _Pending(prompt)
-                    ids.append(request_id)
+                ids = [uuid.uuid4().hex for _ in range(params.n)]
+                pending.update((request_id, _Pending(prompt)) for request_id in ids)
                 order.append(ids)
-            results = self._run(pending, siblings, use_tqdm)
+                choices = Choices(params, stagger)
+                for j, choice in choices.start_now():
+                    self.engine.add_request(prompt, choice, request_id=ids[j])
+                later[ids[0]] = _Later(prompt, choices, ids)
+            results = self._run(pending, later, use_tqdm)
         except BaseException:
             for request_id in pending:
                 self.engine.abort_request(request_id)
@@ -118,16 +118,18 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, pending: dict[str, _Pending], siblings: dict[str, list[tuple[Prompt, SamplingParams, str]]],
+    def _run(self, pending: dict[str, _Pending], later: dict[str, _Later],
              use_tqdm: bool | Callable[..., Any]) -> dict[str, CompletionOutput]:
-        """Step until every pending request finished; `siblings` join when their first choice's first output comes."""
+        """Step until every pending request finished; `later` choices start when their first choice's first output comes."""
         results: dict[str, CompletionOutput] = {}
         progress = _progress_bar(len(pending), use_tqdm)
         try:
             while len(results) < len(pending):
                 for output in self.engine.step():
-                    for prompt, params, request_id in siblings.pop(output.request_id, ()):
-                        self.engine.add_request(prompt, params, request_id=request_id)
+                    waiting = later.pop(output.request_id, None)
+                    if waiting is not None:
+                        for j, params in waiting.choices.start_after_first_output():
+                            self.engine.add_request(waiting.prompt, params, request_id=waiting.request_ids[j])
                     self._collect(pending, results, output)
                     if output.finished and progress is not None:
                         progress.update(1)

@@ -1,15 +1,20 @@
-"""SamplingParams: the user-facing, per-request generation settings, validated on creation."""
+"""SamplingParams: the user-facing, per-request generation settings, validated on creation.
+
+This is the one home of every check that needs no model: the offline API and the server both build
+a SamplingParams, so a bad value gets the same message and `param` from both. Checks that need the
+model (vocabulary, context length, KV cache) are admission's (engine/admission.py).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conveyor.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
-# Sane ranges, checked here for the offline API and declared in the HTTP schema (server/request_schemas.py).
+# Sane ranges, checked here only; the HTTP schema (server/request_schemas.py) declares them for its document.
 MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do
@@ -148,6 +153,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of the n: one sequence; a seeded request's choice j samples with seed + j,
+        so the choices differ and each is reproducible."""
+        seed = self.seed if self.seed is None or index == 0 else (self.seed + index) % 2**64
+        return replace(self, n=1, best_of=None, seed=seed)
 
 
 def _is_int(value: object, minimum: int) -> bool:

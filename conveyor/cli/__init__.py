@@ -73,9 +73,9 @@ def serve(args: argparse.Namespace) -> int:
     started = None
     if server.core_process:
         # The engine core starts now (Python, torch, the weights) while this process imports the server.
-        from conveyor.engine.core_process import ProcessCoreClient, core_config
+        from conveyor.engine.core_process import ProcessCoreClient
 
-        started = ProcessCoreClient(core_config(config), logging.getLogger().getEffectiveLevel())
+        started = ProcessCoreClient(config, logging.getLogger().getEffectiveLevel())
     from conveyor.server.api_server import run_server
 
     return run_server(config, server, started, began)

@@ -30,7 +30,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float
-    max_tokens: int                      # resolved: params.max_tokens or what the model length leaves
+    max_tokens: int                      # resolved by admission: params.max_tokens or what the model length leaves
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0                    # lower runs first; FCFS among equals
     tenant: str = ""                     # whose request: admissions are shared fairly between tenants

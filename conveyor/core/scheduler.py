@@ -37,7 +37,7 @@ from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.speculative import Proposer, worth_drafting
 from conveyor.core.step_cost import PrefillBudget, StepCostModel, StepShape
-from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from conveyor.errors import InvalidRequest
 
 
 class Scheduler:
@@ -61,37 +61,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests in and out
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Raise if a request could never run; return its resolved max_tokens."""
-        if num_prompt_tokens == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
-            if max_tokens < 1:
-                raise ContextLengthExceeded(
-                    f"the prompt has {num_prompt_tokens} tokens, and this model's maximum context "
-                    f"length is {self.max_model_len} tokens", param="prompt")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{num_prompt_tokens} prompt tokens plus max_tokens {max_tokens} = {total}",
-                param="max_tokens")
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            capacity = self.blocks.num_blocks * self.blocks.block_size
-            raise ContextLengthExceeded(
-                f"the request needs {total} tokens of KV cache ({num_prompt_tokens} prompt + {max_tokens} "
-                f"max_tokens) but the whole cache holds {capacity}", param="max_tokens")
-        return max_tokens
-
     def add(self, request: Request) -> None:
-        """Queue a request; raises ContextLengthExceeded if it can never fit, QueueFull past the limit."""
+        """Queue an admitted request: the front's admission (engine/admission.py) already decided that
+        it fits, its max_tokens resolved. Raises InvalidRequest for a duplicate id."""
         if request.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
-        request.max_tokens = self.check_fits(request.num_prompt_tokens, request.max_tokens)
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFull(f"the server is at capacity ({limit} requests waiting); retry later")
+        # Admission's promise, relied on by every plan: the whole request fits the model length and the pool.
+        assert 1 <= request.max_tokens <= self.max_model_len - request.num_prompt_tokens, request.request_id
+        assert self.blocks.blocks_for(request.num_prompt_tokens + request.max_tokens) <= self.blocks.num_blocks
         request.arrival_index = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING

@@ -1,8 +1,8 @@
-"""The one admission point: a request is checked here, in the front, before it reaches the core.
+"""The one admission point: whether a request fits is decided here, in the front, before the core.
 
 Checks need only the model's limits (`CoreInfo`), so the front refuses a bad request with its own
-status (400) without a round trip to the core. The scheduler's own `check_fits` stays as the core's
-guard; it never fires for a request admitted here.
+status (400) without a round trip to the core. Here too `max_tokens` is resolved ("None: up to the
+model length"), once; the core and its scheduler trust the CoreRequest they get.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
     return list(prompt)
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> None:
-    """Raise InvalidRequest / ContextLengthExceeded for a request that could never run."""
+def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> int:
+    """Raise InvalidRequest / ContextLengthExceeded for a request that could never run; else return
+    its resolved max_tokens."""
     check_token_ids(prompt_token_ids, info.vocab_size)
     bad_stops = [t for t in params.stop_token_ids if not 0 <= t < info.vocab_size]
     if bad_stops:
@@ -58,3 +59,4 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, info: Cor
         raise ContextLengthExceeded(
             f"the request needs {total} tokens of KV cache ({num_prompt_tokens} prompt + {max_tokens} "
             f"max_tokens) but the whole cache holds {info.num_kv_blocks * info.block_size}", param="max_tokens")
+    return max_tokens

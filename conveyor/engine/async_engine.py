@@ -1,8 +1,9 @@
 """AsyncEngine: the server's front over one engine core; each request gets its own asyncio stream.
 
-Runs on the event loop only. It admits requests (validation and the waiting-queue bound, once),
-sends them to the core through a `CoreClient`, turns each `StepOutputs` into text deltas with the
-`OutputProcessor`, and tells the core to finish a request whose stop string it found. If the core
+Runs on the event loop only. Its `Front` (shared with the offline LLMEngine) admits requests and
+turns each `StepOutputs` into text deltas; here are the server's own limits (the waiting-queue
+bound, per-tenant caps), the sending through a `CoreClient`, and telling the core to finish a
+request whose stop string was found. If the core
 dies, every request in flight fails at once with a 503 and the engine refuses new ones.
 """
 
@@ -13,22 +14,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
-from conveyor.engine.admission import check_request
 from conveyor.engine.core_client import CoreClient
+from conveyor.engine.front import Front
 from conveyor.engine.messages import (
     AbortRequests,
     AddRequests,
     CoreLoad,
-    CoreRequest,
     FinishRequests,
     RequestOutput,
     StepOutputs,
     WatchBatch,
 )
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.structured_output import GrammarCompiler, grammar_compiler
+from conveyor.engine.structured_output import GrammarCompiler
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
 from conveyor.sampling_params import SamplingParams
@@ -50,15 +49,11 @@ class AsyncEngine:
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
-        # Grammars are compiled here first, so that one that does not compile is refused before it starts;
-        # a core in this process shares the cache (the process's compiler for the model), so only once.
-        self.grammars = (grammar_compiler(Path(self.info.model_path), self.info.vocab_size, lambda: tokenizer)
-                         if self.info.model_path else GrammarCompiler(lambda: tokenizer, self.info.vocab_size))
+        self.front = Front(tokenizer, self.info)
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
         self.observers: list[StepObserver] = []
         self.death_observers: list[Callable[[str], None]] = []
-        self.processor = OutputProcessor(tokenizer)
         self.load = CoreLoad(0, 0, 0, 0.0)      # as of the core's last message
         self._queues: dict[str, OutputQueue] = {}
         self.max_requests_per_tenant = max_requests_per_tenant
@@ -68,6 +63,14 @@ class AsyncEngine:
         self._started = False
         self.is_accepting = True
         self.dead_reason: str | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.front.grammars
+
+    @property
+    def processor(self) -> OutputProcessor:
+        return self.front.processor
 
     # ------------------------------------------------------------ lifecycle
 
@@ -117,8 +120,9 @@ class AsyncEngine:
         the same capacity check in between: raise for a request that could never run (400), past the
         waiting-queue bound (429), or while not accepting (503); else send them to the core and
         return one output queue per prompt, for `outputs`."""
-        for prompt_token_ids in prompts:
-            check_request(prompt_token_ids, params, self.info)
+        arrival_s = self.clock()
+        core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant)
+                         for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True)]
         self._check_accepting()
         limit = self.max_waiting_requests
         if limit is not None and self.num_would_wait(len(prompts)) > limit:
@@ -128,18 +132,14 @@ class AsyncEngine:
         if per_tenant is not None and in_flight + len(prompts) > per_tenant:
             raise QueueFull(f"tenant {tenant or '(default)'!r} has {in_flight} requests in flight and may have "
                             f"{per_tenant} (--max-requests-per-tenant); retry later")
-        arrival_s = self.clock()
         queues: list[OutputQueue] = []
-        core_requests = []
-        for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True):
+        for request in core_requests:
             queue: OutputQueue = asyncio.Queue()
-            self._queues[request_id] = queue
-            self._tenant_of[request_id] = tenant
+            self._queues[request.request_id] = queue
+            self._tenant_of[request.request_id] = tenant
             self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
-            self.processor.add(request_id, prompt_token_ids, params)
-            core_requests.append(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                             arrival_s, priority, tenant))
+            self.front.track(request)
         self._num_in_transit += len(core_requests)
         self.client.send(AddRequests(core_requests))
         return queues
@@ -188,7 +188,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)
-        self.processor.drop(request_id)
+        self.front.drop(request_id)
         if self.dead_reason is None:
             self.client.send(AbortRequests([request_id]))
 
@@ -203,13 +203,11 @@ class AsyncEngine:
         self.load = outputs.load
         self._num_in_transit -= outputs.num_added
         for request_id, exc in outputs.rejected:
-            self.processor.drop(request_id)
+            self.front.drop(request_id)
             self._put(request_id, exc)
-        for delta in outputs.deltas:
-            output = self.processor.process(delta)
-            if output is not None:
-                self._put(delta.request_id, output)
-        stop_hits = self.processor.take_stop_hits()
+        text_outputs, stop_hits = self.front.process(outputs.deltas)
+        for output in text_outputs:
+            self._put(output.request_id, output)
         if stop_hits:
             self.client.send(FinishRequests(stop_hits))
         for observer in self.observers:
@@ -235,7 +233,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: ConveyorError) -> None:
         for request_id, queue in list(self._queues.items()):
-            self.processor.drop(request_id)
+            self.front.drop(request_id)
             queue.put_nowait(exc)
         self._queues.clear()
         self._tenant_of.clear()

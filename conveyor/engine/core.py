@@ -1,4 +1,4 @@
-"""EngineCore: scheduler, KV cache, model runner and sampler; token ids in, token ids out.
+"""EngineCore: the step loop over a scheduler and a runtime (runtime_builder.py); token ids in, token ids out.
 
 The core never sees text. It runs in the offline process (`LLMEngine`), on the server's engine
 thread, or alone in its own process (`core_process.py`); all three drive it through `add`,
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from conveyor import kernels
 from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan
@@ -41,12 +40,9 @@ from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.errors import ConveyorError, InvalidRequest
+from conveyor.engine.runtime_builder import Runtime, build_runtime
 from conveyor.model.llama import LlamaModel
-from conveyor.model.loader import load_model, resolve_model_path, resolve_quantization
-from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
-from conveyor.runtime.kv_cache import KVCache
-from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
-from conveyor.runtime.tensor_parallel import TensorParallelRunner, WorkerLost, load_rank0
+from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
@@ -80,68 +76,27 @@ class _DraftTally:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 runtime: Runtime | None = None) -> None:
+        """`runtime`: the model, KV cache and runner to step on; built from `config` when not given."""
         started = time.perf_counter()
         self.config = config
         self.clock = clock
-        if config.model.seed is not None:
-            torch.manual_seed(config.model.seed)   # the shared generator of unseeded requests
-        num_threads = config.model.threads or kernels.threads.num_threads()
-        torch.set_num_threads(num_threads)
-        self.model_path: Path = resolve_model_path(config.model.model)
-        self.device = torch.device(config.model.device)
-        phase_started = time.perf_counter()
-        self.kernel_library = kernels.library() if self.device.type == "cpu" else None
-        if self.device.type == "cpu":
-            logger.info("start-up: C kernels %s in %.2f s", "ready" if self.kernel_library is not None
-                        else "unavailable (torch kernels)", time.perf_counter() - phase_started)
-        self.quantization = resolve_quantization(config.model.quantization, self.model_path, self.device.type,
-                                                 config.model.dtype, self.kernel_library,
-                                                 config.model.tensor_parallel_size)
-        self.dtype, why = choose_dtype(config.model.dtype, self.device, self.kernel_library,
-                                       quantized=self.quantization != "none")
-        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
-        self.kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, self.quantization != "none")
-        logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."), why)
-        tp = config.model.tensor_parallel_size
-        comm, workers = None, []
-        # The model phase: the loader logs it with its seconds.
-        if tp > 1:   # the ranks share the cores: more threads each would spin on them
-            num_threads = max(1, num_threads // tp)
-            self.model, comm, workers = load_rank0(self.model_path, self.dtype, self.kernel_library, tp, num_threads)
-        else:
-            self.model: LlamaModel = load_model(self.model_path, self.dtype, config.model.device,
-                                                self.kernel_library, self.quantization)
-        if self.model.kernels is not None:
-            # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
-            # sampling), and its OpenMP workers would spin beside the pool's after each of them.
-            kernels.threads.set_num_threads(num_threads)
-            torch.set_num_threads(1)
-        arch = self.model.arch
-        self.max_model_len = config.scheduler.max_model_len or arch.max_position_embeddings
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
-                             f"{arch.max_position_embeddings}")
-        cache_cfg = config.cache
-        num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(
-            arch, cache_cfg.block_size, self.kv_dtype, cache_cfg.kv_cache_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
-                             f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, self.kv_dtype)} bytes)")
-        phase_started = time.perf_counter()
-        self.kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, self.kv_dtype, self.device,
-                                transposed_keys=kernel_tile_size(self.model, cache_cfg.block_size, self.device) > 0)
+        runtime = runtime if runtime is not None else build_runtime(config)
+        self.model_path: Path = runtime.model_path
+        self.device, self.dtype, self.quantization = runtime.device, runtime.dtype, runtime.quantization
+        self.kernel_library = runtime.kernel_library
+        self.model: LlamaModel = runtime.model
+        self.kv_cache, self.runner = runtime.kv_cache, runtime.runner
+        self.max_model_len = runtime.max_model_len
+        num_threads, num_blocks, cache_cfg = runtime.num_threads, runtime.kv_cache.num_blocks, config.cache
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,
-                    cache_cfg.block_size, self.kv_cache.tensor.nbytes / 2**30, time.perf_counter() - phase_started)
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
                     if spec.speculative == "ngram" else None)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model,
                                    proposer, spec.num_speculative_tokens)
-        self.runner = (TensorParallelRunner(self.model, self.kv_cache, self.device, comm, workers) if comm is not None
-                       else ModelRunner(self.model, self.kv_cache, self.device))
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(grammar_compiler(self.model_path, self.model.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
@@ -175,14 +130,14 @@ class EngineCore:
     # ------------------------------------------------------------ requests
 
     def add(self, core_request: CoreRequest) -> None:
-        """Queue a validated request. Raises ContextLengthExceeded / QueueFull / InvalidRequest (duplicate id)."""
+        """Queue a request admitted by the front (engine/admission.py). Raises InvalidRequest for a duplicate id."""
         params = core_request.params
         request = Request(
             request_id=core_request.request_id,
             prompt_token_ids=core_request.prompt_token_ids,
             params=params,
             arrival_s=core_request.arrival_s,
-            max_tokens=params.max_tokens,
+            max_tokens=core_request.max_tokens,
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
             tenant=core_request.tenant,
@@ -210,31 +165,35 @@ class EngineCore:
                     raise ConveyorError(f"the structured output grammar could not be compiled: {error}")
                 self.scheduler.add(request)
             except ConveyorError as exc:
-                self.structured.drop(request_id)
-                live = self._live.pop(request_id)
-                self._pending.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
-                                                error=str(exc), metrics=self._metrics(live.request)))
+                delta = self._end(request_id, FinishReason.ERROR, error=str(exc))
+                if delta is not None:
+                    self._pending.append(delta)
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; its KV blocks are free before the next step. False if unknown."""
-        live = self._live.pop(request_id, None)
-        self.structured.drop(request_id)
-        if self._compiling.pop(request_id, None) is not None:
-            return live is not None
-        return self.scheduler.abort(request_id)
+        return self._end(request_id, FinishReason.ABORT) is not None
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> TokenDelta | None:
         """End a request from outside (a stop string the front found); its last delta goes out with the next step."""
+        if request_id not in self._live:
+            return None
+        delta = self._end(request_id, reason, stop_reason)
+        if delta is not None:
+            self._pending.append(delta)
+        return delta
+
+    def _end(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None,
+             error: str | None = None) -> TokenDelta | None:
+        """The one teardown of a request the core still holds, in any state: its grammar, its KV blocks,
+        its sampling state. Returns its last delta; None for a request the core does not hold."""
         live = self._live.pop(request_id, None)
+        self.structured.drop(request_id)
+        if self._compiling.pop(request_id, None) is None:
+            self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
             return None
-        self.structured.drop(request_id)
-        self._compiling.pop(request_id, None)
-        self.scheduler.finish(request_id, reason, stop_reason)
-        delta = TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason,
-                           metrics=self._metrics(live.request))
-        self._pending.append(delta)
-        return delta
+        return TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason, error=error,
+                          metrics=self._metrics(live.request))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
@@ -282,12 +241,7 @@ class EngineCore:
             deltas = self._pending
             self._pending = []
             for request_id in list(self._live):
-                live = self._live.pop(request_id)
-                self.structured.drop(request_id)
-                self._compiling.pop(request_id, None)
-                self.scheduler.finish(request_id, FinishReason.ERROR)
-                deltas.append(TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value,
-                                         error=f"engine error: {exc}", metrics=self._metrics(live.request)))
+                deltas += self._fail_request(request_id, f"engine error: {exc}")
             return self._outputs(deltas, None)
 
     def load(self) -> CoreLoad:
@@ -393,13 +347,8 @@ class EngineCore:
 
     def _fail_request(self, request_id: str, message: str) -> list[TokenDelta]:
         """End one request with an error its client sees; its blocks are free at once."""
-        live = self._live.pop(request_id, None)
-        self.structured.drop(request_id)
-        self.scheduler.finish(request_id, FinishReason.ERROR)
-        if live is None:
-            return []
-        return [TokenDelta(request_id, [], finish_reason=FinishReason.ERROR.value, error=message,
-                           metrics=self._metrics(live.request))]
+        delta = self._end(request_id, FinishReason.ERROR, error=message)
+        return [] if delta is None else [delta]
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:

@@ -15,7 +15,6 @@ exits by itself when its front goes away (its pipe closes or its parent changes)
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -35,12 +34,6 @@ from conveyor.logging_setup import configure_logging   # a spawned process start
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 10.0   # for the core to leave its busy loop after SHUTDOWN (it finishes the step it is in)
-
-
-def core_config(config: EngineConfig) -> EngineConfig:
-    """The engine config a server's core runs: the waiting-queue bound is applied at the server's door
-    (429) rather than inside the scheduler, so a request that was admitted is never refused mid-stream."""
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_waiting_requests=None))
 
 
 def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> None:

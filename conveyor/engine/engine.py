@@ -1,8 +1,9 @@
 """LLMEngine: an EngineCore in this process, with the front's text work around it.
 
 Synchronous and single-threaded: the offline API and `conveyor generate` call `step()` in a loop.
-Text (tokenization, detokenization, stop strings) is done here, tokens in the core; the server
-splits the same two halves across processes (`async_engine.py`, `core_process.py`). Offline, the
+Text (tokenization, admission, detokenization, stop strings) is the `Front`'s, tokens the core's;
+the server holds the same Front and splits the two halves across processes (`async_engine.py`,
+`core_process.py`). Offline, the
 core stays in this process: with no event loop to share the GIL with, a core process would only
 add its start-up (about 5 s to spawn and import torch) and a pickle per step.
 """
@@ -18,11 +19,9 @@ from typing import TYPE_CHECKING
 
 from conveyor.config import EngineConfig
 from conveyor.core.request import FinishReason
-from conveyor.engine.admission import check_token_ids
 from conveyor.engine.core import EngineCore
-from conveyor.engine.messages import CoreRequest, RequestMetrics, RequestOutput
-from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.structured_output import grammar_compiler
+from conveyor.engine.front import Front
+from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.errors import InvalidRequest
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.engine.tokenizer_loader import load_tokenizer
@@ -48,7 +47,7 @@ class LLMEngine:
         self.core = EngineCore(config, clock)
         self.tokenizer: Tokenizer = load_tokenizer(self.core.model_path, config.model.chat_template)
         self.model_name = config.model.served_model_name or default_model_name(self.core.model_path)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.front = Front(self.tokenizer, self.core.info)
 
     # The core's parts, for callers that look inside (tests, the benchmark).
     @property
@@ -94,23 +93,19 @@ class LLMEngine:
             raise InvalidRequest("add_request runs one sequence: n choices are LLM.generate's and the server's",
                                  param="n")
         request_id = request_id or uuid.uuid4().hex
-        prompt_token_ids = self.encode_prompt(prompt)
-        if params.structured_outputs is not None:   # refused here if it does not compile; the core's is a cache hit
-            grammar_compiler(self.model_path, self.core.info.vocab_size,
-                             lambda: self.tokenizer).compile(params.structured_outputs)
-        self.core.add(CoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                  self.clock() if arrival_s is None else arrival_s, priority, tenant))
-        self.processor.add(request_id, prompt_token_ids, params)  # after the core took it
+        self.front.compile_grammar(params)   # in the server's order: the grammar, then the prompt
+        request = self.front.make_request(request_id, self.encode_prompt(prompt), params,
+                                          self.clock() if arrival_s is None else arrival_s, priority, tenant)
+        self.core.add(request)
+        self.front.track(request)   # after the core took it
         return request_id
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return check_token_ids(prompt, self.core.info.vocab_size)
+        return self.front.encode_prompt(prompt)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state; its KV blocks are free before the next step. False if unknown."""
-        self.processor.drop(request_id)
+        self.front.drop(request_id)
         return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -119,12 +114,8 @@ class LLMEngine:
     # ------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        for delta in self.core.step().deltas:
-            output = self.processor.process(delta)
-            if output is not None:
-                outputs.append(output)
-        stopped = dict(self.processor.take_stop_hits())
+        outputs, stop_hits = self.front.process(self.core.step().deltas)
+        stopped = dict(stop_hits)
         for output in outputs:
             stop = stopped.get(output.request_id)
             if stop is not None:

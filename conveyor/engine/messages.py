@@ -31,6 +31,7 @@ class CoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    max_tokens: int                  # resolved by admission: params.max_tokens or what the model length leaves
     eos_token_ids: frozenset[int]
     arrival_s: float                 # time.monotonic() of the front: one clock for every process
     priority: int = 0

@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
-from conveyor.engine.core_process import ProcessCoreClient, core_config
+from conveyor.engine.core_process import ProcessCoreClient
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.engine.tokenizer_loader import load_tokenizer
@@ -136,10 +136,9 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig(),
                started: ProcessCoreClient | None = None) -> tuple[CoreClient, Tokenizer, str]:
     """Load the model into a core (its own process with `server.core_process`, else a thread's) and
     return its client, the tokenizer and the served model name; the caller kills the client at the end.
-    `started`: a core process already started with `core_config(config)` (`conveyor serve` starts it
+    `started`: a core process already started with `config` (`conveyor serve` starts it
     before importing the server, so the two processes' imports overlap).
     """
-    config = core_config(config)
     if not server.core_process:
         engine = LLMEngine(config)
         return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name

@@ -61,7 +61,7 @@ def add_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, server: di
               "max_model_len": info.max_model_len, "num_kv_blocks": info.num_kv_blocks,
               "block_size": info.block_size, "enable_prefix_caching": info.enable_prefix_caching,
               **{k: v for k, v in dataclasses.asdict(info.scheduler).items()
-                 if k not in ("max_model_len", "max_waiting_requests")},
+                 if k != "max_model_len"},
               **server}
     live_view = LiveView(engine, config)
     app.mount("/dashboard/static", StaticFiles(directory=str(STATIC_DIR)), name="dashboard-static")

@@ -1,24 +1,25 @@
 """Pydantic schemas of the OpenAI-compatible API's requests (responses.py has the answers).
 
-Requests are validated strictly (a bool or a float is not an integer, "1" is not a number, text
-must be valid Unicode) and every sampling field declares its range here, so the OpenAPI document
-states it and a bad value is a 400 naming the field. `SamplingParams` checks the same ranges for
-the offline API, plus those that span fields (min_tokens <= max_tokens); checks that need the
-model (token ids inside the vocabulary, the context length) are admission's. A request field
-conveyor does not act on is a 400 naming it, never silently ignored: OpenAI fields it does not
-support say why, unknown fields say so (the README has the table of every field). A chat's
-messages and tools have their schemas in chat_schemas.py.
+This layer parses types and shapes only, strictly (a bool or a float is not an integer, "1" is not
+a number, text must be valid Unicode), and converts a request to SamplingParams. Ranges are checked
+by SamplingParams, and what needs the model (vocabulary, context length) by admission, so the
+offline API refuses the same values with the same message and `param`; the ranges are still
+declared here (`_ints`, `_numbers`), for the OpenAPI document only. A request field conveyor does
+not act on is a 400 naming it, never silently ignored: OpenAI fields it does not support say why,
+unknown fields say so (the README has the table of every field). A chat's messages and tools have
+their schemas in chat_schemas.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import (
     MAX_CHOICES,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -58,6 +59,16 @@ MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 
 
 TokenId = Annotated[int, Field(ge=0)]
+
+
+def _ints(**bounds: int) -> WithJsonSchema:
+    """An integer's range, for the OpenAPI document; SamplingParams checks it."""
+    return WithJsonSchema({"type": "integer", **bounds})
+
+
+def _numbers(**bounds: float) -> WithJsonSchema:
+    """A number's range, for the OpenAPI document; SamplingParams checks it."""
+    return WithJsonSchema({"type": "number", **bounds})
 
 
 class StreamOptions(BaseModel):
@@ -101,34 +112,35 @@ class _SamplingRequest(BaseModel):
     model_config = _BODY_CONFIG
 
     model: Text | None = Field(None, description="the served model name; may be omitted")
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = Field(
+    max_tokens: Annotated[int, _ints(minimum=1)] | None = None
+    temperature: Annotated[float, _numbers(minimum=0, maximum=MAX_TEMPERATURE)] | None = Field(
         1.0, description=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(1.0, description="in (0, 1]")
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = Field(
+    top_p: Annotated[float, _numbers(exclusiveMinimum=0.0, maximum=1)] | None = Field(1.0, description="in (0, 1]")
+    top_k: Annotated[int, _ints(minimum=-1, maximum=MAX_TOP_K)] | None = Field(
         0, description="0 or -1 = off, as is any value at or past the vocabulary size")
-    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(0.0, description="in [0, 1]")
-    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = Field(None, description="a 64-bit integer")
+    min_p: Annotated[float, _numbers(minimum=0, maximum=1)] | None = Field(0.0, description="in [0, 1]")
+    seed: Annotated[int, _ints(minimum=MIN_SEED, maximum=MAX_SEED)] | None = Field(None, description="a 64-bit integer")
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[TokenId] | None = Field(None, description="token ids inside the vocabulary")
-    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = 0.0
-    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
-                                               allow_inf_nan=False)] | None = (
+    stop_token_ids: list[Annotated[int, _ints(minimum=0)]] | None = Field(
+        None, description="token ids inside the vocabulary")
+    presence_penalty: Annotated[float, _numbers(minimum=-2, maximum=2)] | None = 0.0
+    frequency_penalty: Annotated[float, _numbers(minimum=-2, maximum=2)] | None = 0.0
+    repetition_penalty: Annotated[float, _numbers(minimum=MIN_REPETITION_PENALTY,
+                                                  maximum=MAX_REPETITION_PENALTY)] | None = (
         Field(1.0, description=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; 1 = off"))
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, _ints(minimum=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Field(ge=MIN_INT64, le=MAX_INT64)] = Field(
         0, description="lower runs first; FCFS among equals; a 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = Field(
+    n: Annotated[int, _ints(minimum=1, maximum=MAX_CHOICES)] = Field(
         1, description="choices per prompt; each samples on its own (a seed gives choice j seed + j)")
     user: Text | None = Field(None, description="the tenant the request is counted for in fair sharing, unless an "
                                                 "X-Tenant header names one; it does not change the output")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+    logit_bias: dict[str, Annotated[float, _numbers(minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)]] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100], added to its logit")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -196,20 +208,21 @@ class _SamplingRequest(BaseModel):
             bias[int(key)] = value
         return bias
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         best_of: int | None = None) -> SamplingParams:
         """Map to SamplingParams; a null field means the default. Raises InvalidRequest naming the field."""
         self.check_fields()
         structured, param = self.structured_output()
         self._constraint_field = param
         try:
-            return self._make_params(max_tokens, logprobs, structured)
+            return self._make_params(max_tokens, logprobs, structured, best_of)
         except InvalidRequest as exc:
             if exc.param == "structured_outputs":
                 exc.param = param
             raise
 
     def _make_params(self, max_tokens: int | None, logprobs: int | None,
-                     structured: StructuredOutputsParams | None) -> SamplingParams:
+                     structured: StructuredOutputsParams | None, best_of: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_default(self.temperature, 1.0),
@@ -227,6 +240,8 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.n,
+            best_of=best_of,
             logit_bias=self._logit_bias(),
             structured_outputs=structured,
         )
@@ -245,12 +260,12 @@ def _default(value: float | int | None, default: float | int) -> float | int:
 
 
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NumLogprobs = Annotated[int, _ints(minimum=0, maximum=MAX_LOGPROBS)]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(16, description="default 16, as OpenAI")
+    max_tokens: Annotated[int, _ints(minimum=1)] | None = Field(16, description="default 16, as OpenAI")
     logprobs: NumLogprobs | None = Field(None, description="return the sampled token's logprob and the top N")
     echo: bool = False
     best_of: int | None = None
@@ -270,18 +285,15 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo")
-        if self.best_of not in (None, self.n):
-            raise InvalidRequest(f"best_of must equal n ({self.n}): choosing the best of more choices is not "
-                                 f"supported", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of)
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: up to the model length")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_tokens: Annotated[int, _ints(minimum=1)] | None = Field(None, description="default: up to the model length")
+    max_completion_tokens: Annotated[int, _ints(minimum=1)] | None = Field(
         None, description="takes precedence over max_tokens")
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -21,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import AsyncEngine, OutputQueue
+from conveyor.engine.front import Choices
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams
@@ -42,47 +42,43 @@ class PromptGroup:
     With n choices per prompt, choice k is prompt k // n's (k % n)-th, as OpenAI numbers them. Creating
     the group admits and starts the first choice of every prompt (`AsyncEngine.add`), so a refusal
     (400, 429, 503) is raised here, before any response starts. A prompt's other choices start when
-    its first one has its first token: the prompt's KV blocks are then in the prefix cache, so it is
-    computed once. A seeded request's choice j samples with seed + j, so the choices differ and each
-    is reproducible; a start refused then (the server filled up meanwhile) ends those choices with
-    that error.
+    its first one has its first token (`Choices`, as offline); a start refused then (the server
+    filled up meanwhile) ends those choices with that error.
     """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
-                 params: SamplingParams, priority: int = 0, tenant: str = "", n: int = 1) -> None:
+                 params: SamplingParams, priority: int = 0, tenant: str = "") -> None:
         self.group_id = group_id
-        self.n = n
+        self.n = n = params.n
         self.num_prompts = len(prompt_token_ids) * n       # choices: what the response lists
         self._engine = engine
         self._prompts = prompt_token_ids
-        self._params, self._priority, self._tenant = params, priority, tenant
+        self._priority, self._tenant = priority, tenant
         self._request_ids = [f"{group_id}-{index}" for index in range(self.num_prompts)]
         self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._siblings_started: set[int] = set()   # first choices whose n - 1 siblings were started
+        self._choices = [Choices(params, stagger=True) for _ in prompt_token_ids]
         firsts = [i * n for i in range(len(prompt_token_ids))]
-        self._start(firsts, engine.add(prompt_token_ids, params, [self._request_ids[k] for k in firsts], priority,
-                                       tenant))
+        # Every prompt's first choice in one add: the request is admitted whole or not at all.
+        self._start(firsts, engine.add(prompt_token_ids, params.for_choice(0), [self._request_ids[k] for k in firsts],
+                                       priority, tenant))
 
     def _start(self, indexes: list[int], queues: list[OutputQueue]) -> None:
         self._tasks += [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
                         for index, queue in zip(indexes, queues)]
 
     def _start_siblings(self, first: int) -> None:
-        """The other n - 1 choices of the prompt whose first choice is `first`."""
-        self._siblings_started.add(first)
-        if self._closed:
+        """The choices of the prompt whose first choice is `first` that waited for its first output."""
+        later = self._choices[first // self.n].start_after_first_output()
+        if self._closed or not later:
             return
-        siblings = list(range(first + 1, first + self.n))
+        siblings = [first + j for j, _ in later]
         prompt = self._prompts[first // self.n]
         try:
-            for index in siblings:
-                params = self._params
-                if params.seed is not None:
-                    params = dataclasses.replace(params, seed=(params.seed + index - first) % 2**64)
-                self._start([index], self._engine.add([prompt], params, [self._request_ids[index]],
-                                                      self._priority, self._tenant))
+            for j, params in later:
+                self._start([first + j], self._engine.add([prompt], params, [self._request_ids[first + j]],
+                                                          self._priority, self._tenant))
         except ConveyorError as exc:
             started = {task.get_name() for task in self._tasks}
             for index in siblings:
@@ -94,7 +90,7 @@ class PromptGroup:
         try:
             async with contextlib.aclosing(self._engine.outputs(request_id, queue)) as outputs:
                 async for output in outputs:
-                    if self.n > 1 and index % self.n == 0 and index not in self._siblings_started:
+                    if self.n > 1 and index % self.n == 0:
                         self._start_siblings(index)
                     self._outputs.put_nowait((index, output))
         except ConveyorError as exc:

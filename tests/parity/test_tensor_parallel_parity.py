@@ -47,7 +47,7 @@ def test_a_lost_rank_stops_the_core_at_once(tiny_checkpoint_factory: Callable[[s
     worker = core.runner.workers[0]
     worker.kill()
     worker.wait()
-    request = CoreRequest("r1", parallel.engine.encode_prompt("hello world"), GREEDY,
+    request = CoreRequest("r1", parallel.engine.encode_prompt("hello world"), GREEDY, GREEDY.max_tokens,
                           parallel.engine.tokenizer.eos_token_ids, time.monotonic())
     commands = [[AddRequests([request])]]
     started = time.monotonic()

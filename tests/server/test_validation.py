@@ -47,7 +47,7 @@ def assert_400(response: httpx.Response, param: str, code: str | None = None) ->
     (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 5e-324}, "repetition_penalty"),   # logit / it = inf
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [1e12]}, "stop_token_ids.0"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids"),   # admission: the vocabulary
-    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids.1"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids"),     # SamplingParams: the range
     (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream"),
     (CHAT, {"messages": HI, "seed": -(2**63) - 1}, "seed"),
     (CHAT, {"messages": HI, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),

@@ -25,7 +25,7 @@ class FakeClock:
 
 
 def make_request(request_id: str, prompt_len: int = 4, *, prompt: Sequence[int] | None = None,
-                 max_tokens: int | None = 4, min_tokens: int = 0, ignore_eos: bool = False,
+                 max_tokens: int = 4, min_tokens: int = 0, ignore_eos: bool = False,
                  stop_token_ids: Iterable[int] = (), priority: int = 0,
                  eos_token_ids: Iterable[int] = (EOS,), arrival_s: float = 0.0, tenant: str = "") -> Request:
     """A request whose prompt is `prompt`, or `prompt_len` tokens 100, 101, ... (never the eos id)."""

@@ -11,6 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conveyor.config import SchedulerConfig
 from conveyor.engine.admission import check_request
+from conveyor.engine.front import Choices
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
@@ -71,8 +72,14 @@ def test_admission_refuses_stop_token_ids_outside_the_vocabulary() -> None:
 
 
 def test_admission_accepts_a_request_that_fits_exactly() -> None:
-    check_request([1] * 40, SamplingParams(max_tokens=8), INFO)
-    check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4))
+    assert check_request([1] * 40, SamplingParams(max_tokens=8), INFO) == 8
+    assert check_request([1] * 47, SamplingParams(max_tokens=None), dataclasses.replace(INFO, num_kv_blocks=4)) == 17
+
+
+def test_admission_resolves_max_tokens_none_to_what_the_model_length_leaves() -> None:
+    info = dataclasses.replace(INFO, num_kv_blocks=4)   # the cache holds the whole model length
+    assert check_request([1] * 30, SamplingParams(max_tokens=None), info) == info.max_model_len - 30
+    assert check_request([1] * 30, SamplingParams(max_tokens=5), info) == 5
 
 
 class RecordingClient:
@@ -202,7 +209,7 @@ class FakeCore:
 
 
 def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> None:
-    add = AddRequests([CoreRequest("a", [1], SamplingParams(), frozenset(), 0.0)])
+    add = AddRequests([CoreRequest("a", [1], SamplingParams(), 16, frozenset(), 0.0)])
     inbox: list[list[CoreCommand]] = [[add], [], [], [AbortRequests(["unknown"])], [Shutdown()]]
     timeouts: list[float] = []
     sent: list[StepOutputs] = []
@@ -217,3 +224,22 @@ def test_busy_loop_steps_without_waiting_while_busy_and_stops_on_shutdown() -> N
     assert timeouts == [IDLE_WAIT_S, 0.0, IDLE_WAIT_S, IDLE_WAIT_S, IDLE_WAIT_S]   # waits only when idle
     assert core.handled == [AddRequests, AbortRequests]
     assert core.closed   # what the core started beside itself stops with the loop
+
+
+# ------------------------------------------------------------------ a prompt's n choices (both faces)
+
+
+def test_choices_start_the_first_now_and_the_rest_after_its_first_output() -> None:
+    choices = Choices(SamplingParams(n=3, best_of=3, seed=7), stagger=True)
+    [(index, first)] = choices.start_now()
+    assert (index, first.n, first.best_of, first.seed) == (0, 1, None, 7)
+    later = choices.start_after_first_output()
+    assert [(j, p.n, p.seed) for j, p in later] == [(1, 1, 8), (2, 1, 9)]
+    assert choices.start_after_first_output() == []
+
+
+def test_choices_without_stagger_all_start_now_and_seeds_wrap() -> None:
+    choices = Choices(SamplingParams(n=2, seed=2**64 - 1), stagger=False)
+    assert [(j, p.seed) for j, p in choices.start_now()] == [(0, 2**64 - 1), (1, 0)]
+    assert choices.start_after_first_output() == []
+    assert [p.seed for _, p in Choices(SamplingParams(n=2), stagger=False).start_now()] == [None, None]

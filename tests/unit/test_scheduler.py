@@ -13,18 +13,17 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.plan import StepPlan, StepResult
 from conveyor.core.request import FinishReason, RequestStatus
 from conveyor.core.scheduler import Scheduler
-from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from conveyor.errors import InvalidRequest
 
 TOKEN = 7  # a sampled token that stops nothing
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   enable_prefix_caching: bool = False, max_waiting_requests: int | None = None,
+                   enable_prefix_caching: bool = False,
                    clock: FakeClock | None = None) -> tuple[Scheduler, BlockManager]:
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_waiting_requests=max_waiting_requests)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(config, blocks, max_model_len, clock or FakeClock()), blocks
 
 
@@ -218,11 +217,10 @@ def test_max_tokens_finishes_with_length() -> None:
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-def test_max_tokens_none_runs_to_max_model_len() -> None:
+def test_max_tokens_up_to_the_model_length_runs_to_it() -> None:
     sched, _ = make_scheduler(max_model_len=16)
-    a = make_request("a", prompt_len=10, max_tokens=None)
+    a = make_request("a", prompt_len=10, max_tokens=6)   # admission resolves max_tokens None to this
     sched.add(a)
-    assert a.max_tokens == 6
     plans = run_to_completion(sched)
     assert len(plans) == 6
     assert a.finish_reason is FinishReason.LENGTH and a.num_tokens == 16 and len(a.output_token_ids) == 6
@@ -452,48 +450,7 @@ def test_update_tolerates_a_row_aborted_after_schedule() -> None:
     assert sched.schedule().finished_ids == ("b",)
 
 
-# ------------------------------------------------------------ refusal at add()
-
-def test_prompt_plus_max_tokens_past_max_model_len_is_refused() -> None:
-    sched, _ = make_scheduler(max_model_len=32)
-    sched.add(make_request("ok", prompt_len=28, max_tokens=4))
-    with pytest.raises(ContextLengthExceeded) as info:
-        sched.add(make_request("long", prompt_len=28, max_tokens=5))
-    assert isinstance(info.value, InvalidRequest) and isinstance(info.value, ValueError)
-    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
-    with pytest.raises(ContextLengthExceeded):
-        sched.add(make_request("prompt", prompt_len=32, max_tokens=None))   # nothing left to generate
-    assert set(sched.requests) == {"ok"} and sched.num_waiting == 1
-
-
-def test_request_larger_than_the_whole_pool_is_refused() -> None:
-    sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=1000)
-    sched.add(make_request("fits", prompt_len=12, max_tokens=4))
-    with pytest.raises(ContextLengthExceeded):
-        sched.add(make_request("too_big", prompt_len=12, max_tokens=5))
-    with pytest.raises(ContextLengthExceeded):
-        sched.add(make_request("none", prompt_len=12, max_tokens=None))    # resolves to 988
-    assert set(sched.requests) == {"fits"}
-
-
-def test_empty_prompt_is_refused() -> None:
-    sched, _ = make_scheduler()
-    with pytest.raises(InvalidRequest):
-        sched.add(make_request("empty", prompt=[]))
-    assert not sched.has_unfinished()
-
-
-def test_queue_full_past_max_waiting_requests() -> None:
-    sched, _ = make_scheduler(max_waiting_requests=2, max_num_seqs=1)
-    sched.add(make_request("a", max_tokens=2))
-    sched.add(make_request("b", max_tokens=2))
-    with pytest.raises(QueueFull) as info:
-        sched.add(make_request("c"))
-    assert info.value.status == 429 and "c" not in sched.requests
-    step(sched)                                # a leaves the queue
-    sched.add(make_request("c"))
-    assert sched.num_waiting == 2
-
+# ------------------------------------------------------------ add(): admission decided the fit
 
 def test_duplicate_request_id_is_refused() -> None:
     sched, _ = make_scheduler()
@@ -504,14 +461,14 @@ def test_duplicate_request_id_is_refused() -> None:
     assert sched.requests["a"] is first and sched.num_waiting == 1
 
 
-def test_max_tokens_none_resolves_to_what_the_model_length_leaves() -> None:
-    sched, _ = make_scheduler(max_model_len=100)
-    a = make_request("a", prompt_len=30, max_tokens=None)
-    sched.add(a)
-    assert a.max_tokens == 70
-    b = make_request("b", prompt_len=30, max_tokens=5)
-    sched.add(b)
-    assert b.max_tokens == 5
+def test_a_request_admission_would_refuse_is_a_bug() -> None:
+    """Whether a request fits is admission's decision (tests/unit/test_front.py); the scheduler trusts it."""
+    sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    with pytest.raises(AssertionError):
+        sched.add(make_request("long", prompt_len=28, max_tokens=5))
+    with pytest.raises(AssertionError):
+        sched.add(make_request("too_big", prompt_len=12, max_tokens=5))
+    assert not sched.has_unfinished()
 
 
 # ------------------------------------------------------------ prefix caching through the scheduler

@@ -20,7 +20,10 @@ from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.step_cost import StepCost, StepCostModel
-from conveyor.errors import ContextLengthExceeded, QueueFull
+from conveyor.engine.admission import check_request
+from conveyor.engine.messages import CoreInfo
+from conveyor.errors import InvalidRequest
+from conveyor.sampling_params import SamplingParams
 
 STOP_TOKEN = 9
 SHARED_PREFIXES = [[10 + k] * 3 + [20 + k, 21 + k, 22 + k] * 5 for k in range(3)]   # 18 tokens each
@@ -32,7 +35,6 @@ configs = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 6),
     "max_num_batched_tokens": st.integers(1, 24),
     "max_model_len": st.integers(4, 40),
-    "max_waiting_requests": st.sampled_from([None, None, None, None, 0, 1, 3]),
     "enable_prefix_caching": st.booleans(),
     "target_itl_ms": st.sampled_from([None, None, 1.0, 30.0]),   # against COST: cut chunks, or none
     "min_prefill_chunk": st.integers(1, 4),
@@ -41,7 +43,7 @@ configs = st.fixed_dictionaries({
 })
 COST = StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=1e-5)
 seeds = st.integers(0, 2**16)
-# The last field: 0 leaves the lengths as drawn (often refused at add()), else they are fitted
+# The last field: 0 leaves the lengths as drawn (often refused by admission), else they are fitted
 # to what the pool and max_model_len can hold.
 add_ops = st.tuples(st.just("add"), st.integers(1, 24), st.one_of(st.none(), st.integers(1, 12)),
                     st.integers(0, 3), st.integers(0, 3), st.integers(0, 2), st.booleans(), seeds,
@@ -79,24 +81,20 @@ class Harness:
         rng = random.Random(seed)
         tail = [rng.randint(3, 8) for _ in range(prompt_len)]
         prompt = (tail if prefix_kind == 0 else SHARED_PREFIXES[prefix_kind - 1] + tail)[:prompt_len]
-        if max_tokens is not None:
-            min_tokens = min(min_tokens, max_tokens)
-        request = make_request(f"r{index}", prompt=prompt, max_tokens=max_tokens, min_tokens=min_tokens,
+        # The front's admission decides whether it fits and resolves max_tokens; the scheduler trusts it.
+        info = CoreInfo(vocab_size=1000, max_model_len=sched.max_model_len, num_kv_blocks=blocks.num_blocks,
+                        block_size=blocks.block_size, startup_s=0.0)
+        try:
+            resolved = check_request(prompt, SamplingParams(max_tokens=max_tokens), info)
+        except InvalidRequest:
+            resolved = max_tokens if max_tokens is not None else sched.max_model_len - prompt_len
+            assert (prompt_len == 0 or resolved < 1 or prompt_len + resolved > sched.max_model_len
+                    or blocks.blocks_for(prompt_len + resolved) > blocks.num_blocks)
+            return
+        request = make_request(f"r{index}", prompt=prompt, max_tokens=resolved, min_tokens=min(min_tokens, resolved),
                                ignore_eos=ignore_eos, priority=priority, tenant="ABC"[seed % 3],
                                stop_token_ids=[STOP_TOKEN] if seed % 3 == 0 else [])
-        num_waiting = sched.num_waiting
-        try:
-            sched.add(request)
-        except ContextLengthExceeded:
-            resolved = max_tokens if max_tokens is not None else sched.max_model_len - prompt_len
-            assert (resolved < 1 or prompt_len + resolved > sched.max_model_len
-                    or blocks.blocks_for(prompt_len + resolved) > blocks.num_blocks)
-            assert request.request_id not in sched.requests
-            return
-        except QueueFull:
-            assert num_waiting >= sched.config.max_waiting_requests
-            assert request.request_id not in sched.requests
-            return
+        sched.add(request)
         assert request.status is RequestStatus.WAITING
         assert request.num_prompt_tokens + request.max_tokens <= sched.max_model_len
         self.added.append(request)
@@ -240,7 +238,6 @@ def run(config: dict, operations: list[tuple]) -> Harness:
     blocks = BlockManager(config["num_blocks"], config["block_size"], config["enable_prefix_caching"])
     scheduler_config = SchedulerConfig(max_num_seqs=config["max_num_seqs"],
                                        max_num_batched_tokens=config["max_num_batched_tokens"],
-                                       max_waiting_requests=config["max_waiting_requests"],
                                        target_itl_ms=config.get("target_itl_ms"),
                                        min_prefill_chunk=config.get("min_prefill_chunk", 1),
                                        max_running_per_tenant=config.get("max_running_per_tenant"),
@@ -294,7 +291,7 @@ def busy_workload(seed: int) -> tuple[dict, list[tuple]]:
     rng = random.Random(seed)
     config = {"block_size": rng.choice([2, 4]), "num_blocks": rng.randint(4, 12),
               "max_num_seqs": rng.randint(2, 8), "max_num_batched_tokens": rng.randint(4, 32),
-              "max_model_len": 48, "max_waiting_requests": None,
+              "max_model_len": 48,
               "enable_prefix_caching": rng.random() < 0.7,
               "target_itl_ms": rng.choice([None, 1.0, 30.0]), "min_prefill_chunk": rng.randint(1, 4)}
     operations: list[tuple] = []

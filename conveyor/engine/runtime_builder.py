@@ -1,0 +1,95 @@
+"""build_runtime: what the engine core steps on (model, KV cache, runner, tensor-parallel ranks).
+
+Every start-up choice is made here, once, and logged with its seconds: threads, C kernels,
+quantization, dtype, the model length, the KV cache's size. `EngineCore` gets the result and is
+left with its step loop and the requests' bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor import kernels
+from conveyor.config import EngineConfig
+from conveyor.kernels.build import KernelLibrary
+from conveyor.model.llama import LlamaModel
+from conveyor.model.loader import load_model, resolve_model_path, resolve_quantization
+from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
+from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
+from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Runtime:
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str
+    kernel_library: KernelLibrary | None
+    model: LlamaModel
+    kv_cache: KVCache
+    runner: ModelRunner                  # a TensorParallelRunner over its ranks when tensor_parallel_size > 1
+    max_model_len: int
+    num_threads: int                     # threads rank 0 computes with
+
+
+def build_runtime(config: EngineConfig) -> Runtime:
+    """Load the model and allocate its KV cache as the config says; raises ValueError for limits that cannot hold."""
+    if config.model.seed is not None:
+        torch.manual_seed(config.model.seed)   # the shared generator of unseeded requests
+    num_threads = config.model.threads or kernels.threads.num_threads()
+    torch.set_num_threads(num_threads)
+    model_path = resolve_model_path(config.model.model)
+    device = torch.device(config.model.device)
+    phase_started = time.perf_counter()
+    kernel_library = kernels.library() if device.type == "cpu" else None
+    if device.type == "cpu":
+        logger.info("start-up: C kernels %s in %.2f s", "ready" if kernel_library is not None
+                    else "unavailable (torch kernels)", time.perf_counter() - phase_started)
+    quantization = resolve_quantization(config.model.quantization, model_path, device.type, config.model.dtype,
+                                        kernel_library, config.model.tensor_parallel_size)
+    dtype, why = choose_dtype(config.model.dtype, device, kernel_library, quantized=quantization != "none")
+    logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
+    kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
+    logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), why)
+    tp = config.model.tensor_parallel_size
+    comm, workers = None, []
+    # The model phase: the loader logs it with its seconds.
+    if tp > 1:   # the ranks share the cores: more threads each would spin on them
+        num_threads = max(1, num_threads // tp)
+        model, comm, workers = load_rank0(model_path, dtype, kernel_library, tp, num_threads)
+    else:
+        model = load_model(model_path, dtype, config.model.device, kernel_library, quantization)
+    if model.kernels is not None:
+        # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
+        # sampling), and its OpenMP workers would spin beside the pool's after each of them.
+        kernels.threads.set_num_threads(num_threads)
+        torch.set_num_threads(1)
+    arch = model.arch
+    max_model_len = config.scheduler.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                         f"{arch.max_position_embeddings}")
+    cache_cfg = config.cache
+    num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(arch, cache_cfg.block_size, kv_dtype,
+                                                                   cache_cfg.kv_cache_bytes)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
+                         f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
+    phase_started = time.perf_counter()
+    kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, kv_dtype, device,
+                       transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device) > 0)
+    logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,
+                cache_cfg.block_size, kv_cache.tensor.nbytes / 2**30, time.perf_counter() - phase_started)
+    runner = (TensorParallelRunner(model, kv_cache, device, comm, workers) if comm is not None
+              else ModelRunner(model, kv_cache, device))
+    return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
+                   max_model_len, num_threads)
