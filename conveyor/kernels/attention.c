@@ -128,6 +128,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     }
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
     const int64_t chunk = bs < KC ? bs : KC;
+    /* float16 keys and values are widened as they load when one pass over the tile's query heads
+     * reads them (decode rows); a prompt chunk's tile reads them once per QU heads, so it widens
+     * them once into the buffers instead. */
+    const int in_place_f16 = HAVE_LOAD_VH && kv_fmt == FMT_F16 && A_pad <= QU;
     vi lane[NV];
     for (int u = 0; u < NV; u++)
         for (int k = 0; k < VW; k++) lane[u][k] = u * VW + k;
@@ -155,7 +159,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         if (kv_fmt == FMT_F32 && n_keys == KC) {
             keys = (const float *)j->k_cache + kbase;
             kstride = bs;
-        } else if (HAVE_LOAD_VH && kv_fmt == FMT_F16 && n_keys == KC) {
+        } else if (in_place_f16 && n_keys == KC) {
             hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
         } else {
@@ -167,7 +171,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         if (kv_fmt == FMT_F32) {
             vals = (const float *)j->v_cache + vbase;
             vstride = KV * D;
-        } else if (HAVE_LOAD_VH && kv_fmt == FMT_F16) {
+        } else if (in_place_f16) {
             hvals = (const uint16_t *)j->v_cache + vbase;
             vstride = KV * D;
         } else {

@@ -173,8 +173,14 @@ class EventStreamResponse(StreamingResponse):
             self._group.close()
 
 
+# JSON leaves U+0085, U+2028 and U+2029 raw in strings, and clients that split a stream with
+# str.splitlines (httpx's iter_lines among them) cut an event there: sent as escapes, the same JSON.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+    """One server-sent event of a JSON payload, on one line for every client's line splitting."""
+    return f"data: {payload.translate(_LINE_BREAKS)}\n\n"
 
 
 def error_payload(exc: ConveyorError) -> str:

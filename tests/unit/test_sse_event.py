@@ -1,0 +1,35 @@
+"""A streamed chunk is one line for every client's line splitting, and the same JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from conveyor.server.responses import ErrorInfo
+from conveyor.server.streaming import sse
+
+# U+0085, U+2028 and U+2029 are line breaks to str.splitlines; JSON keeps them raw in strings.
+TEXT = "a\u2028b\x85c\u2029d\n\"e\\\u2028 \U0001f600"
+
+
+def test_line_breaks_inside_strings_are_escaped() -> None:
+    event = sse(ErrorInfo(message=TEXT, type="x").model_dump_json())
+    lines = event.splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0][len("data: "):])["message"] == TEXT
+
+
+def test_httpx_reads_the_event_whole() -> None:
+    """httpx's aiter_lines (str.splitlines) cut the raw form of this event in two."""
+    body = sse(ErrorInfo(message=TEXT, type="x").model_dump_json()).encode()
+
+    async def lines() -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            async with client.stream("GET", "http://test/") as response:
+                return [line async for line in response.aiter_lines() if line]
+
+    got = asyncio.run(lines())
+    assert len(got) == 1 and json.loads(got[0][len("data: "):])["message"] == TEXT
