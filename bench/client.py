@@ -12,12 +12,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 from bench.workloads import OfflineRequest, arrival_times
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A streamed response's lines, broken at LF (and CRLF) only, as server-sent events are: httpx's
+    aiter_lines also breaks at U+0085, U+2028 and U+2029, which a server may send raw inside JSON."""
+    buffer = ""
+    async for text in response.aiter_text():
+        *lines, buffer = (buffer + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buffer:
+        yield buffer.removesuffix("\r")
 
 
 @dataclass(slots=True)
@@ -82,7 +94,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str | None, r
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()

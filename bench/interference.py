@@ -27,6 +27,7 @@ import httpx
 
 from bench import report, servers
 from bench.metrics import percentile
+from bench.client import sse_lines
 from bench.workloads import offline_workload
 
 
@@ -37,7 +38,7 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_to
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             chunk = json.loads(line[5:])

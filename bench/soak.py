@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import sse_lines
 from bench.servers import free_port, launched
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,7 +48,7 @@ async def one_stream(http: httpx.AsyncClient, i: int, disconnect: bool, max_toke
             if response.status_code != 200:
                 return str(response.status_code)
             last = ""
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if line.startswith("data: "):
                     if disconnect:
                         return "disconnected"
