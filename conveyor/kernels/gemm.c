@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "pool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -56,21 +57,6 @@
 static inline float rounded(float v) {
     __asm__("" : "+g"(v));
     return v;
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 /* ------------------------------------------------------------------ float32 tiles */

@@ -3,25 +3,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "kquant.h"
 #include "pool.h"
 
-float kq_half_to_float(uint16_t h) {   /* IEEE half -> float, subnormals included */
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1; e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+float kq_half_to_float(uint16_t h) { return f16_to_f32(h); }   /* for quant.c and kquant.c */
 
 /* Bytes of a repacked (N, K) weight; -1 when the format cannot take K. */
 int64_t kq_packed_bytes(int fmt, int64_t N, int64_t K) {

@@ -20,29 +20,13 @@
 #define MAX_D 256
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
-    if (!is_bf16) return ((const float *)base)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static inline float round_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x400000u;
-    else bits += 0x7fffu + ((bits >> 16) & 1u);
-    bits &= 0xffff0000u;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }   /* nearest even */
 
 static inline void store(void *base, int64_t i, float f, int is_bf16) {
-    if (!is_bf16) { ((float *)base)[i] = f; return; }
-    uint32_t bits;
-    f = round_bf16(f);
-    memcpy(&bits, &f, 4);
-    ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
+    store_one(base, i, f, is_bf16 ? FMT_BF16 : FMT_F32);
 }
 
 /* bfloat16 follows Hugging Face's order: normalise in float32, round to bf16, then scale by w. */
