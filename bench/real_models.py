@@ -4,7 +4,7 @@
     python -m bench.real_models --model FILE.gguf --quick      # fewer requests and tokens: a smoke pass
 
 conveyor runs as `conveyor serve` with its defaults (engine core in its own process), given only
---threads (and --conveyor-quantization / --conveyor-kv-cache-memory when asked); llama-server
+--threads (and --conveyor-quantization / --conveyor-kv-cache-memory / --conveyor-device when asked); llama-server
 serves the same file with the same threads, `--cache-ram 0 -fit off`. Per file and system:
 
   load     process start -> /health answers 200: the first start in this run, then a second (warm) start
@@ -98,7 +98,8 @@ def conveyor_server(model: Path, args: argparse.Namespace) -> Server:
     kv = parse_bytes(args.conveyor_kv_cache_memory or CacheConfig.kv_cache_memory, "kv_cache_memory")
     return Server("conveyor", lambda port, _p, _c: servers.conveyor_command(
         port, model=str(model), threads=args.threads, dtype=None, quantization=args.conveyor_quantization,
-        kv_cache_memory=args.conveyor_kv_cache_memory), lambda _p, _c: kv, sweeps_parallel=False)
+        kv_cache_memory=args.conveyor_kv_cache_memory, extra=("--device", args.conveyor_device)),
+        lambda _p, _c: kv, sweeps_parallel=False)
 
 
 def llama_server(llama: servers.LlamaCpp, model: Path, threads: int, arch) -> Server:  # noqa: ANN001
@@ -306,6 +307,7 @@ def main() -> None:
                    help=f"override one size ({', '.join(f.name for f in dataclasses.fields(Sizes))})")
     p.add_argument("--conveyor-quantization", default=None, help="conveyor's --quantization (default: its own)")
     p.add_argument("--conveyor-kv-cache-memory", default=None, help="conveyor's --kv-cache-memory (default: its own)")
+    p.add_argument("--conveyor-device", default="cpu", help="conveyor's --device (cuda: on a GPU)")
     p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR, help="where build_llama_cpp.sh built")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/real_models"))
@@ -347,6 +349,7 @@ def main() -> None:
         "threads": args.threads, "sizes": dataclasses.asdict(sizes), "systems": chosen,
         "conveyor_quantization": args.conveyor_quantization or "conveyor's default",
         "conveyor_kv_cache_memory": args.conveyor_kv_cache_memory or "conveyor's default",
+        "conveyor_device": args.conveyor_device,
         "memory_interval_s": MEMORY_INTERVAL_S, "results": results}, llama.commit() if llama else None)
     if "llama-server" in chosen and llama is not None:
         png = plot(results, out.with_suffix(".png"))

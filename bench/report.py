@@ -37,7 +37,19 @@ def machine() -> dict:
     except OSError:
         info["cpu_model"] = platform.processor()
     info["lscpu"] = lscpu()
+    if gpus := nvidia_gpus():
+        info["gpus"] = gpus
     return info
+
+
+def nvidia_gpus() -> list[str]:
+    """nvidia-smi's name, memory and driver of each GPU; empty where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def lscpu() -> dict[str, str]:

@@ -326,7 +326,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
     """Advance `generator` exactly as `count` seeded draws of `_draw` over `vocab_size` tokens do."""
-    row = torch.empty(vocab_size)
+    row = torch.empty(vocab_size, device=generator.device)
     for _ in range(count):
         row.uniform_(generator=generator)
 
