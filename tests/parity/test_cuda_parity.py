@@ -3,7 +3,7 @@
 float32: every family's greedy tokens through the engine on the GPU equal transformers' greedy
 `generate` on the same GPU, one request at a time and batched (chunked prefill, mixed steps).
 bfloat16 (what `--device cuda` picks by default): batched equals alone, and seeded sampling gives
-the same tokens whichever requests share the batch.
+the same tokens whichever requests share the batch. n-gram speculation changes no token.
 A real GGUF file (`-m real_model --real-gguf FILE`): the same float32 check against transformers'
 own GGUF loader, and batched equals alone in bfloat16.
 """
@@ -78,6 +78,22 @@ def test_bfloat16_batched_equals_alone_and_seeded_sampling_is_batch_invariant(
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=NUM_TOKENS, ignore_eos=True)
     alone, batched = _alone_and_batched(llm, prompts, sampled)
     assert batched == alone
+
+
+def test_speculation_on_the_gpu_changes_no_token(tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    folder = str(tiny_checkpoint_factory("llama"))
+    plain = LLM(folder, dtype="float32", **ENGINE)
+    spec = LLM(folder, dtype="float32", speculative="ngram", num_speculative_tokens=4, ngram_prompt_lookup_min=1,
+               **ENGINE)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, *_prompts(plain.engine.core.model.arch.vocab_size)[:2]]
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=7 + i, max_tokens=NUM_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    assert spec.engine.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.real_model
