@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.checkpoint import default_model_path
 
     model_path = default_model_path()
     figures = single(args, model_path) if args.mode == "single" else one_by_one(args, model_path)

@@ -19,9 +19,10 @@ DTYPE_BYTES = 4   # float32: the precision every system is compared in
 
 def model_arch(model: str | None):  # -> conveyor.model.llama.ModelArch
     """The model's shapes without loading its weights."""
-    from conveyor.model import loader
+    from conveyor.model.checkpoint import resolve_model_path
+    from conveyor.model.loader import read_arch
 
-    return loader.read_arch(loader.resolve_model_path(model))
+    return read_arch(resolve_model_path(model))
 
 
 def weight_shapes(arch) -> tuple[list[tuple[int, int]], tuple[int, int]]:  # noqa: ANN001

@@ -178,7 +178,7 @@ class Runner:
         if self.args.model is not None:
             path = Path(self.args.model)
             return llama, {MODEL_PEER: path if servers.is_gguf(path) else f"llama-server needs a GGUF file, not {path}"}
-        from conveyor.model.loader import default_model_path
+        from conveyor.model.checkpoint import default_model_path
 
         made = {"llama-server-f32": llama.f32_gguf, "llama-server-q8_0": llama.q8_0_gguf}
         ggufs: dict[str, Path | str] = {family: path if path.is_file() else f"{path} not found: {servers.BUILD_HINT}"
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
             for f in hf_families:
                 runner.skip(f, reason)
         else:
-            from conveyor.model.loader import resolve_model_path
+            from conveyor.model.checkpoint import resolve_model_path
 
             runner.transformers(hf_families, resolve_model_path(args.model))
         outer.update(1)

@@ -228,7 +228,7 @@ def add_system_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 def resolve_systems(args: argparse.Namespace) -> tuple[Path, list[str], LlamaCpp | None]:
     """(the GGUF file, the systems asked for, llama.cpp's build); exits with a message when one is missing."""
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.checkpoint import default_model_path
 
     model = args.model or default_model_path()
     if not is_gguf(model):

@@ -38,7 +38,7 @@ FORMATS = {
 
 
 def gguf_paths(peers_dir: Path, model: str | None = None) -> dict[str, Path]:
-    from conveyor.model.loader import resolve_model_path
+    from conveyor.model.checkpoint import resolve_model_path
 
     files = {"f32": peers_dir / servers.F32_GGUF_NAME, "q8_0": peers_dir / servers.Q8_0_GGUF_NAME,
              "q4_1": resolve_model_path(None)}

@@ -12,7 +12,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.front import Choices
 from conveyor.engine.messages import RequestMetrics, RequestOutput
-from conveyor.runtime.sampler import TokenLogprobs
+from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.errors import InvalidRequest
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.engine.tokenizer_loader import load_tokenizer
-from conveyor.model.loader import default_model_name
+from conveyor.model.checkpoint import default_model_name
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from conveyor.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from conveyor.engine.stats import StepStats
     from conveyor.errors import ConveyorError
-    from conveyor.runtime.sampler import TokenLogprobs
+    from conveyor.logprobs import TokenLogprobs
 
 
 # ------------------------------------------------------------------ front -> core

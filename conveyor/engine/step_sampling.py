@@ -20,7 +20,8 @@ import torch
 
 from conveyor.core.plan import ScheduledRow
 from conveyor.core.request import Request
-from conveyor.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, skip_draws
+from conveyor.logprobs import TokenLogprobs
+from conveyor.runtime.sampler import Sampler, SamplingRow, skip_draws
 
 logger = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    import torch
+
     from conveyor.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

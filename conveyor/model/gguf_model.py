@@ -12,7 +12,7 @@ import torch
 
 from conveyor.errors import ModelLoadError
 from conveyor.model import gguf_quant
-from conveyor.model.families import GGUF_ARCHITECTURES, SUPPORTED
+from conveyor.model.checkpoint import GGUF_ARCHITECTURES, SUPPORTED
 from conveyor.model.gguf_file import GGUFFile
 from conveyor.model.llama import ModelArch
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from conveyor.errors import ModelLoadError
-from conveyor.model.families import HF_ARCHITECTURES, SUPPORTED
+from conveyor.model.checkpoint import HF_ARCHITECTURES, SUPPORTED
 from conveyor.model.llama import ModelArch
 
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")

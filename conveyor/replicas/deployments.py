@@ -34,7 +34,7 @@ from starlette.types import Message
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
 from conveyor.engine.tokenizer_loader import load_tokenizer
 from conveyor.errors import ConveyorError, QueueFull, RequestTimeout, RequestTooLarge, Unauthorized
-from conveyor.model.loader import resolve_model_path
+from conveyor.model.checkpoint import resolve_model_path
 from conveyor.replicas.http_bridge import ForwardedRequest, RelayResponse, ReplicaLost, call_app
 from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix

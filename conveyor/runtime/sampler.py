@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor import kernels
+from conveyor.logprobs import IMPOSSIBLE_LOGPROB, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-5
 # top_p looks for its cut among this many best tokens first; rows whose cut lies further get a full sort.
 TOP_P_CANDIDATES = 256
-IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(slots=True)
@@ -44,13 +44,6 @@ class SamplingRow:
     generator: torch.Generator | None    # the request's own generator when params.seed is set, else None
     eos_token_ids: frozenset[int]        # blocked while len(output_token_ids) < params.min_tokens
     allowed_tokens: torch.Tensor | None = None   # structured outputs: packed bitmask (words,) int32, bit t = token t
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]         # top-N (token_id, logprob), N = params.logprobs, best first
 
 
 @dataclass(slots=True)
@@ -333,7 +326,6 @@ def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
 
 def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs (L, V), token_ids (L,) -> the sampled token's logprob and each row's top-N, as Python values."""
-    # OpenAI reports an impossible token as -9999.0; JSON has no -inf (and NaN must not reach it either).
     logprobs = logprobs.nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()                  # (L,)
     max_top = min(max(num_top), logprobs.shape[1])

@@ -25,10 +25,9 @@ from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.core_process import ProcessCoreClient
-from conveyor.engine.engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.engine.tokenizer_loader import load_tokenizer
-from conveyor.model.loader import default_model_name, resolve_model_path
+from conveyor.model.checkpoint import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
 from conveyor.server.header_timeout import header_timeout_protocol
 from conveyor.server.live_view import LiveView
@@ -112,13 +111,9 @@ def build_app_over(client: CoreClient, tokenizer: Tokenizer, model_name: str,
     return async_engine, app
 
 
-def build_server(client: CoreClient | LLMEngine, tokenizer: Tokenizer | None = None, model_name: str | None = None,
-                 server: ServerConfig = ServerConfig(), startup_began_s: float | None = None) -> ConveyorServer:
-    """A server over a core client; given an LLMEngine, its core runs on a thread of this process."""
-    if isinstance(client, LLMEngine):
-        engine = client
-        client, tokenizer, model_name = ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
-    assert tokenizer is not None and model_name is not None, "a core client needs its tokenizer and model name"
+def build_server(client: CoreClient, tokenizer: Tokenizer, model_name: str, server: ServerConfig = ServerConfig(),
+                 startup_began_s: float | None = None) -> ConveyorServer:
+    """A uvicorn server over a core client (an in-process core: `ThreadCoreClient(engine.core)`)."""
     async_engine, app = build_app_over(client, tokenizer, model_name, server)
     # log_config=None: uvicorn's loggers propagate to the handlers cli.py configured.
     access = logging.getLogger("uvicorn.access")
@@ -140,6 +135,8 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig(),
     before importing the server, so the two processes' imports overlap).
     """
     if not server.core_process:
+        from conveyor.engine.engine import LLMEngine   # lazily: a front with a core process never imports torch
+
         engine = LLMEngine(config)
         return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name
     model_path = resolve_model_path(config.model.model)

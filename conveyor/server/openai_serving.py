@@ -22,7 +22,7 @@ from starlette.responses import Response
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
-from conveyor.runtime.sampler import TokenLogprobs
+from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest

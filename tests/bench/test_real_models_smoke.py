@@ -27,7 +27,7 @@ LLAMA = servers.LlamaCpp.find(servers.DEFAULT_PEERS_DIR)
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.checkpoint import default_model_path
 
     out_dir = tmp_path_factory.mktemp("real_models")
     systems = "conveyor,llama-server" if LLAMA is not None else "conveyor"

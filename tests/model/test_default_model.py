@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.loader import default_model_path
+from conveyor.model.checkpoint import default_model_path
 
 pytest.importorskip("gguf")
 try:

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.config import EngineConfig, ServerConfig
+from conveyor.engine.core_client import ThreadCoreClient
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.api_server import ConveyorServer, build_server
 
@@ -53,7 +54,7 @@ def start_server(model: Path | None, *, api_key: str | None = None, max_waiting_
     """`server_options`: further ServerConfig fields."""
     options = {**SMALL_ENGINE, **engine_options}
     engine = LLMEngine(EngineConfig.from_options(model=str(model) if model is not None else None, **options))
-    server = build_server(engine, server=ServerConfig(**{
+    server = build_server(ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name, server=ServerConfig(**{
         "host": "127.0.0.1", "port": 0, "api_key": api_key, "max_waiting_requests": max_waiting_requests,
         "shutdown_grace_s": shutdown_grace_s, "max_body_bytes": max_body_bytes, "core_process": False,
         **(server_options or {})}))

@@ -79,6 +79,9 @@ def test_core_process_serves_and_stops_with_the_server(tiny_checkpoint: Path) ->
         whole = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
         text = whole["choices"][0]["text"]
         assert whole["usage"]["completion_tokens"] == 24 and len(whole["choices"][0]["logprobs"]["tokens"]) == 24
+        # The front imports no torch (the core process imports it while the front starts): not for the
+        # server's modules, the tokenizer, nor the logprobs it unpickles.
+        assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
         # A grammar is compiled by the front, then again by the core on its worker thread.
         pattern = "[a-c]{3}-[0-9]"
         constrained = httpx.post(f"{base}/v1/completions", timeout=60, json={

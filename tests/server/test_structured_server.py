@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_helpers import RunningServer, start_server
 
-from conveyor.model.loader import default_model_name, resolve_model_path
+from conveyor.model.checkpoint import default_model_name, resolve_model_path
 
 pytest.importorskip("gguf")
 pytest.importorskip("xgrammar")

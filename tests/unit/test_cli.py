@@ -72,7 +72,7 @@ def test_speculative_config_json_is_vllms_spelling(capsys: pytest.CaptureFixture
 
 
 def test_default_model_name_drops_the_gguf_extension(tmp_path) -> None:
-    from conveyor.model.loader import default_model_name
+    from conveyor.model.checkpoint import default_model_name
 
     file = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     file.write_bytes(b"GGUF")

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from conveyor.runtime.sampler import IMPOSSIBLE_LOGPROB, Sampler, SamplingRow
+from conveyor.logprobs import IMPOSSIBLE_LOGPROB
+from conveyor.runtime.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
 
 

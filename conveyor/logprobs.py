@@ -1,0 +1,18 @@
+"""A sampled token's log-probability and its row's best alternatives: what the core sends the front.
+
+Kept apart from the sampler, which needs torch: the front unpickles these and must not import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# OpenAI reports an impossible token as -9999.0; JSON has no -inf (and NaN must not reach it either).
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]         # top-N (token_id, logprob), N = params.logprobs, best first
