@@ -52,6 +52,7 @@ class ModelConfig:
     seed: int | None = None           # seeds the generator of requests without a seed of their own
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
     tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
+    enforce_eager: bool = False       # cuda: run decode steps eagerly, not replayed from CUDA graphs
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

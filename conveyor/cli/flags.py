@@ -41,6 +41,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "any checkpoint; gguf: auto, refusing folders")
     group.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
     group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="cuda: run every step eagerly instead of replaying decode steps from CUDA graphs")
     group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=DEFAULT_BATCH_PRESET,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
                             "together; those flags, when given, win")
@@ -122,6 +124,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "chat_template": args.chat_template, "quantization": args.quantization, "threads": args.threads,
         "tensor_parallel_size": args.tensor_parallel_size, "device": args.device,
+        "enforce_eager": args.enforce_eager,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         **_given(args, "long_prefill_token_threshold"),

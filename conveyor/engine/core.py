@@ -307,7 +307,7 @@ class EngineCore:
         return outputs
 
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
-        _, logits = self.runner.execute(plan)
+        logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
         masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows
                                             if self.structured.is_constrained(row.request_id)])

@@ -21,6 +21,7 @@ from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_quantization
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
+from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0
@@ -86,11 +87,19 @@ def build_runtime(config: EngineConfig) -> Runtime:
         raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
                          f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
     phase_started = time.perf_counter()
+    use_graphs = device.type == "cuda" and not config.model.enforce_eager
     kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, kv_dtype, device,
-                       transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device) > 0)
+                       transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device) > 0,
+                       spare_block=use_graphs)
     logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,
                 cache_cfg.block_size, kv_cache.tensor.nbytes / 2**30, time.perf_counter() - phase_started)
+    graphs = None
+    if use_graphs:
+        max_rows = config.scheduler.max_num_seqs
+        graphs = DecodeGraphs(model, kv_cache, max_rows, -(-max_model_len // cache_cfg.block_size))
+        logger.info("start-up: decode steps of up to %d rows replay CUDA graphs, each captured on first use "
+                    "(--enforce-eager: off)", max_rows)
     runner = (TensorParallelRunner(model, kv_cache, device, comm, workers) if comm is not None
-              else ModelRunner(model, kv_cache, device))
+              else ModelRunner(model, kv_cache, device, graphs))
     return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
                    max_model_len, num_threads)

@@ -78,9 +78,8 @@ class Gemma3Model(LlamaModel):
     def make_layer(self, arch: ModelArch, index: int) -> nn.Module:
         return Gemma3DecoderLayer(arch, index)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)   # rounded to the model's dtype, as transformers
         tables = {False: self.rotary.cos_sin(positions), True: self.rotary_local.cos_sin(positions)}
@@ -90,7 +89,5 @@ class Gemma3Model(LlamaModel):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 cos, sin = tables[layer.is_sliding]
                 x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])
-        logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
-        return logits.float()
+        return x
 

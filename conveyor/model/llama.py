@@ -174,6 +174,11 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_caches)[logits_indices])
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """(T, hidden): every token through every decoder layer, before the final norm."""
         x = self.embed_tokens(input_ids)                                   # (T, hidden), a fresh tensor
         cos, sin = self.rotary.cos_sin(positions)                          # (T, D) float32 each
         if self.fused_layers and meta.kernel is not None:
@@ -181,9 +186,13 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])                                   # (S, hidden)
+        return x
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) of the rows to sample -> (S, V) float32: the final norm and the output layer."""
+        x = self.norm(x)
         logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
-        return logits.float()                                              # (S, V)
+        return logits.float()
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -15,6 +15,7 @@ Prompt chunks, speculative verification and steps larger than the biggest bucket
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,10 @@ _COLUMNS = 4   # token, position, slot, context length; the block table follows
 
 @dataclass(slots=True)
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], object]
     inputs: torch.Tensor     # (rows, 4 + blocks) int64 on the GPU, filled before each replay
     hidden: torch.Tensor     # (rows, hidden) the last layer's output
+    constants: tuple[torch.Tensor, ...]   # tensors the graph reads but did not allocate: kept alive with it
 
 
 class DecodeGraphs:
@@ -75,7 +77,7 @@ class DecodeGraphs:
                           *[0] * (blocks - len(r.block_table))])
         table.extend([self._padding_row(blocks)] * (size - len(rows)))
         graph.inputs.copy_(torch.tensor(table, dtype=torch.long))
-        graph.graph.replay()
+        graph.replay()
         sampling = [i for i, r in enumerate(rows) if r.is_sampling]
         hidden = graph.hidden[:len(rows)] if len(sampling) == len(rows) else \
             graph.hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
@@ -101,6 +103,10 @@ class DecodeGraphs:
             return self.model.hidden_states(inputs[:, 0].contiguous(), inputs[:, 1].contiguous(), meta,
                                             self.kv_cache.layers)
 
+        if self.device.type != "cuda":   # no graphs off a GPU: the same static inputs, run eagerly (tests)
+            hidden = forward()
+            captured = self.graphs[(size, blocks)] = _Graph(lambda: hidden.copy_(forward()), inputs, hidden, (key_pos, rows))
+            return captured
         graph = torch.cuda.CUDAGraph()
         try:
             side = torch.cuda.Stream(self.device)   # warm-up off the capture (lazy inits, workspaces)
@@ -116,6 +122,6 @@ class DecodeGraphs:
                            self.failed)
             return None
         self.pool = graph.pool()
-        captured = self.graphs[(size, blocks)] = _Graph(graph, inputs, hidden)
+        captured = self.graphs[(size, blocks)] = _Graph(graph.replay, inputs, hidden, (key_pos, rows))
         logger.debug("captured a CUDA graph for %d rows over %d key blocks", size, blocks)
         return captured

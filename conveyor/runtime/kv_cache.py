@@ -16,14 +16,18 @@ class KVCache:
     a chunk of keys loads as vectors with one key per lane.
 
     slot = block_id * block_size + offset; the block manager decides which blocks a request owns.
+    With `spare_block`, one block more than `num_blocks` is allocated (id `num_blocks`), which no request
+    ever owns: padding rows of a CUDA graph write there.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", transposed_keys: bool = False) -> None:
-        shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+                 device: str | torch.device = "cpu", transposed_keys: bool = False, spare_block: bool = False) -> None:
+        allocated = num_blocks + spare_block
+        shape = (arch.num_layers, 2, allocated, block_size, arch.num_kv_heads, arch.head_dim)
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks, self.block_size, self.transposed_keys = num_blocks, block_size, transposed_keys
-        k_shape = (num_blocks, arch.num_kv_heads, arch.head_dim, block_size) if transposed_keys else shape[2:]
+        self.spare_block: int | None = num_blocks if spare_block else None
+        k_shape = (allocated, arch.num_kv_heads, arch.head_dim, block_size) if transposed_keys else shape[2:]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.tensor[i, 0].view(k_shape), self.tensor[i, 1]) for i in range(arch.num_layers)]
 

@@ -7,7 +7,8 @@ import torch
 from conveyor import kernels
 from conveyor.core.plan import StepPlan
 from conveyor.model.llama import LlamaModel
-from conveyor.runtime.batch import Batch, build_batch
+from conveyor.runtime.batch import build_batch
+from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.kv_cache import KVCache
 
 
@@ -24,22 +25,27 @@ def kernel_tile_size(model: LlamaModel, block_size: int, device: torch.device) -
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.graphs = graphs   # decode steps replayed from CUDA graphs (cuda only)
         self.kernel_tile_size = kernel_tile_size(model, kv_cache.block_size, device)
         if kv_cache.transposed_keys != (self.kernel_tile_size > 0):
             raise ValueError("the KV cache's key layout does not match the attention path")
 
-    def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
-        """Run the plan's packed batch; returns it with logits (S, V) float32 for its sampling rows."""
-        batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device,
-                            self.kernel_tile_size)
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the plan's packed batch; returns logits (S, V) float32 for its sampling rows, in order."""
         with torch.inference_mode():
-            logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
-                                batch.logits_indices)
-        return batch, logits
+            if self.graphs is not None and self.graphs.accepts(plan):
+                logits = self.graphs.run(plan)
+                if logits is not None:
+                    return logits
+            batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device,
+                                self.kernel_tile_size)
+            return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
+                              batch.logits_indices)
 
     def close(self) -> None:
         """Nothing runs beside a one-process runner (the tensor-parallel one stops its ranks)."""

@@ -33,7 +33,6 @@ from conveyor.core.plan import StepPlan
 from conveyor.kernels import KernelLibrary
 from conveyor.model.llama import LlamaModel
 from conveyor.model.sharding import Shard
-from conveyor.runtime.batch import Batch
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
 
@@ -206,7 +205,7 @@ class TensorParallelRunner(ModelRunner):
         comm.broadcast_object((kv_cache.num_blocks, kv_cache.block_size, kv_cache.transposed_keys,
                                str(kv_cache.tensor.dtype).removeprefix("torch.")))
 
-    def execute(self, plan: StepPlan) -> tuple[Batch, torch.Tensor]:
+    def execute(self, plan: StepPlan) -> torch.Tensor:
         for rank, worker in enumerate(self.workers, start=1):
             if worker.poll() is not None:
                 raise WorkerLost(f"tensor-parallel rank {rank} exited (code {worker.returncode})")

@@ -2,6 +2,7 @@
 
 float32: every family's greedy tokens through the engine on the GPU equal transformers' greedy
 `generate` on the same GPU, one request at a time and batched (chunked prefill, mixed steps).
+Decode steps replay CUDA graphs unless `enforce_eager`: the same tokens as eager steps.
 bfloat16 (what `--device cuda` picks by default): batched equals alone, and seeded sampling gives
 the same tokens whichever requests share the batch. n-gram speculation changes no token.
 A real GGUF file (`-m real_model --real-gguf FILE`): the same float32 check against transformers'
@@ -64,6 +65,19 @@ def test_float32_greedy_on_the_gpu_equals_transformers(family: str,
                                                                      ignore_eos=True))
     assert alone == expected, f"{family}: alone differs from transformers on the GPU"
     assert batched == expected, f"{family}: batched differs from transformers on the GPU"
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3"))
+def test_decode_graphs_give_the_eager_tokens(family: str, tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    folder = str(tiny_checkpoint_factory(family))
+    graphed = LLM(folder, dtype="float32", **ENGINE)
+    eager = LLM(folder, dtype="float32", enforce_eager=True, **ENGINE)
+    assert eager.engine.runner.graphs is None
+    prompts = _prompts(graphed.engine.core.model.arch.vocab_size)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in graphed.generate(prompts, greedy)] == [o.token_ids for o in eager.generate(prompts, greedy)]
+    graphs = graphed.engine.runner.graphs
+    assert graphs.failed is None and graphs.graphs, "no decode step was replayed from a CUDA graph"
 
 
 @pytest.mark.parametrize("family", ("llama", "gemma3"))

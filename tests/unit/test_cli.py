@@ -16,6 +16,8 @@ def test_positional_model_and_llama_cpp_aliases() -> None:
     assert (options["model"], options["threads"], options["max_num_seqs"], options["max_model_len"]) == \
         ("some/model.gguf", 3, 8, 2048)
     assert engine_options(parse_args(["generate", "hi", "-m", "x.gguf"]))["model"] == "x.gguf"
+    assert engine_options(parse_args(["serve", "--device", "cuda", "--enforce-eager"]))["enforce_eager"] is True
+    assert engine_options(parse_args(["serve"]))["enforce_eager"] is False
     assert engine_options(parse_args(["serve", "x.gguf", "--model", "x.gguf"]))["model"] == "x.gguf"
 
 
