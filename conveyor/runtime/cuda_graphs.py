@@ -105,7 +105,8 @@ class DecodeGraphs:
 
         if self.device.type != "cuda":   # no graphs off a GPU: the same static inputs, run eagerly (tests)
             hidden = forward()
-            captured = self.graphs[(size, blocks)] = _Graph(lambda: hidden.copy_(forward()), inputs, hidden, (key_pos, rows))
+            captured = _Graph(lambda: hidden.copy_(forward()), inputs, hidden, (key_pos, rows))
+            self.graphs[(size, blocks)] = captured
             return captured
         graph = torch.cuda.CUDAGraph()
         try:

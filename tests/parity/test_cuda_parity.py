@@ -75,7 +75,8 @@ def test_decode_graphs_give_the_eager_tokens(family: str, tiny_checkpoint_factor
     assert eager.engine.runner.graphs is None
     prompts = _prompts(graphed.engine.core.model.arch.vocab_size)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    assert [o.token_ids for o in graphed.generate(prompts, greedy)] == [o.token_ids for o in eager.generate(prompts, greedy)]
+    want = [o.token_ids for o in eager.generate(prompts, greedy)]
+    assert [o.token_ids for o in graphed.generate(prompts, greedy)] == want
     graphs = graphed.engine.runner.graphs
     assert graphs.failed is None and graphs.graphs, "no decode step was replayed from a CUDA graph"
 
@@ -106,7 +107,8 @@ def test_speculation_on_the_gpu_changes_no_token(tiny_checkpoint_factory: Callab
     got = [o.token_ids for o in spec.generate(prompts, params)]
     assert got == want
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    want = [o.token_ids for o in plain.generate(prompts, greedy)]
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
     assert spec.engine.stats.num_accepted_tokens > 0
 
 

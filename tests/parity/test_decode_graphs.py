@@ -65,7 +65,8 @@ def test_graph_inputs_give_the_plain_paths_tokens(family: str, tiny_checkpoint_f
 def test_padding_rows_touch_only_the_spare_block(tiny_checkpoint_factory: Callable[[str], Path]) -> None:
     llm = _engine(tiny_checkpoint_factory("llama"), graphs=True)
     cache = llm.engine.core.kv_cache
-    llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # 3 rows in a 4-row graph
+    # 3 rows in a 4-row graph: one padding row each decode step.
+    llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     spare = cache.spare_block
     used = cache.tensor[:, :, :spare].abs().sum(dim=(0, 1, 3, 4, 5)).nonzero().flatten().tolist()
     assert spare == cache.num_blocks and cache.tensor[:, :, spare].abs().sum() > 0
