@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from conveyor import kernels
 from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.model.attention import RowSpec, build_metadata
-from conveyor.model.loader import load_model
 from conveyor.model.checkpoint import resolve_model_path
+from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
 
 BLOCK_SIZE = 16

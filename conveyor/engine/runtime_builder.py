@@ -17,11 +17,11 @@ import torch
 from conveyor import kernels
 from conveyor.config import EngineConfig
 from conveyor.kernels.build import KernelLibrary
+from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_quantization
-from conveyor.model.checkpoint import resolve_model_path
-from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
 from conveyor.runtime.cuda_graphs import DecodeGraphs
+from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0

@@ -135,7 +135,8 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig(),
     before importing the server, so the two processes' imports overlap).
     """
     if not server.core_process:
-        from conveyor.engine.engine import LLMEngine   # lazily: a front with a core process never imports torch
+        # Imported here: a front with a core process never imports torch.
+        from conveyor.engine.engine import LLMEngine
 
         engine = LLMEngine(config)
         return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name

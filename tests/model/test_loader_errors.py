@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from conveyor.errors import ConveyorError, ModelLoadError
-from conveyor.model.checkpoint import HF_ARCHITECTURES
+from conveyor.model.checkpoint import HF_ARCHITECTURES, resolve_model_path
 from conveyor.model.loader import load_model
-from conveyor.model.checkpoint import resolve_model_path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
