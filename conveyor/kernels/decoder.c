@@ -19,7 +19,7 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t 
               int64_t ldr, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
 void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
              int is_bf16, int64_t num_threads);
-int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
                const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads);
 void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
@@ -38,14 +38,15 @@ int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void 
  * a packed float panel set (gemm.c) when its format is -1, else a kquant.c linear layer (its own
  * segments and biases; float32 activations only), for qkv, o, gate_up, down in that order. The
  * q/k head norms and the norms after attention and MLP are NULL where the model has none; act: 0 silu,
- * 1 gelu (tanh); local_rope: 1 where the layer turns with the step's second RoPE table. */
+ * 1 gelu (tanh); local_rope: 1 where the layer turns with the step's second RoPE table; rope_dim: the
+ * leading values of each q and k head that turn (head_dim but for partial RoPE). */
 typedef struct {
     const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
     float eps, scale;
     int64_t format[4];
     const void *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
-    int64_t act, local_rope;
+    int64_t act, local_rope, rope_dim;
 } layer_t;
 
 /* Per-step inputs shared by every layer: RoPE tables, cache slots and the attention plan. */
@@ -100,7 +101,8 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     int status = 0;
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
-    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, cos, sin, s->slots, k_cache, v_cache,
+    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, l->rope_dim, cos, sin, s->slots, k_cache,
+                         v_cache,
                          s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, (int)s->kv_fmt, s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,

@@ -19,7 +19,7 @@ class LayerParams(ctypes.Structure):
                [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "window")] + \
                [("eps", _F32), ("scale", _F32), ("format", _I64 * 4)] + \
                [(name, _P) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")] + \
-               [("act", _I64), ("local_rope", _I64)]
+               [("act", _I64), ("local_rope", _I64), ("rope_dim", _I64)]
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # half.h's element formats
@@ -53,15 +53,16 @@ def layer_params(ln1: torch.Tensor, qkv, o, ln2: torch.Tensor, gate_up, down, *,
                  kv_heads: int, head_dim: int, window: int | None, scale: float, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, post_attn_norm: torch.Tensor | None = None,
                  post_mlp_norm: torch.Tensor | None = None, activation: str = "silu",
-                 local_rope: bool = False) -> LayerParams:
+                 local_rope: bool = False, rope_dim: int | None = None) -> LayerParams:
     """From a layer's norm weights and its linears (PackedLinear or QuantLinear: .bias, shapes). The
-    keyword norms are Gemma 3's; local_rope: the layer turns with the step's second RoPE table."""
+    keyword norms are Gemma 3's; local_rope: the layer turns with the step's second RoPE table;
+    rope_dim: the leading values of each head that turn (None: all, head_dim)."""
     (w_qkv, f_qkv), (w_o, f_o), (w_gu, f_gu), (w_down, f_down) = map(_weight, (qkv, o, gate_up, down))
     return LayerParams(
         _ptr(ln1), w_qkv, _ptr(qkv.bias), w_o, _ptr(o.bias), _ptr(ln2), w_gu, _ptr(gate_up.bias), w_down,
         _ptr(down.bias), o.out_features, heads, kv_heads, head_dim, down.in_features, window or 0, eps, scale,
         (_I64 * 4)(f_qkv, f_o, f_gu, f_down), _ptr(q_norm), _ptr(k_norm), _ptr(post_attn_norm),
-        _ptr(post_mlp_norm), ACTIVATIONS[activation], int(local_rope))
+        _ptr(post_mlp_norm), ACTIVATIONS[activation], int(local_rope), rope_dim or head_dim)
 
 
 def scratch_elements(params: LayerParams, num_tokens: int) -> int:

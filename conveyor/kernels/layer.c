@@ -69,8 +69,9 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
     pool_for(M, rmsnorm_item, &job, num_threads);
 }
 
-/* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. cos, sin: [T, D] float32, sin signed
- * so that rotate_half(x) * sin == roll(x, D/2) * sin. q_norm, k_norm: per-head RMSNorm weights applied
+/* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. The leading R values of each q and k
+ * head turn (R = D but for partial RoPE, as Phi-3's), the rest pass unchanged. cos, sin: [T, R] float32,
+ * sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin. q_norm, k_norm: per-head RMSNorm weights applied
  * before the rotation (NULL: none; Gemma's order: normalise and scale in float32, round once). Caches in
  * the activations' dtype, slot = block * bs + offset: keys [blocks, Hkv, D, bs] (transposed, as the
  * attention kernel reads them), values [blocks, bs, Hkv, D]. */
@@ -79,7 +80,7 @@ typedef struct {
     const float *cos, *sin;
     const int64_t *slots;
     const void *q_norm, *k_norm;
-    int64_t ld, Hq, Hkv, D, bs;
+    int64_t ld, Hq, Hkv, D, R, bs;
     float eps;
     int is_bf16, kv_fmt;
 } rope_job;
@@ -87,10 +88,10 @@ typedef struct {
 static void rope_item(void *arg, int64_t t) {
     const rope_job *j = arg;
     void *qkv = j->qkv, *k_cache = j->k_cache, *v_cache = j->v_cache;
-    const int64_t D = j->D, Hq = j->Hq, Hkv = j->Hkv, bs = j->bs, half = D / 2, heads = Hq + Hkv;
+    const int64_t D = j->D, R = j->R, Hq = j->Hq, Hkv = j->Hkv, bs = j->bs, half = R / 2, heads = Hq + Hkv;
     const int64_t slot = j->slots[t];
     const int is_bf16 = j->is_bf16;
-    const float *c = j->cos + t * D, *s = j->sin + t * D;
+    const float *c = j->cos + t * R, *s = j->sin + t * R;
     const int64_t row = t * j->ld;
     for (int64_t h = 0; h < heads; h++) {
         float x[MAX_D];
@@ -105,12 +106,14 @@ static void rope_item(void *arg, int64_t t) {
             if (is_bf16)
                 for (int64_t d = 0; d < D; d++) x[d] = round_bf16(x[d]);
         }
+        float y[MAX_D];
+        for (int64_t d = 0; d < R; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
+        for (int64_t d = R; d < D; d++) y[d] = x[d];
         for (int64_t d = 0; d < D; d++) {
-            const float rotated = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
-            store(qkv, base + d, rotated, is_bf16);
+            store(qkv, base + d, y[d], is_bf16);
             if (h >= Hq)   /* what q's dtype holds, then narrowed to the cache's */
                 store_one(k_cache, (((slot / bs) * Hkv + (h - Hq)) * D + d) * bs + slot % bs,
-                          is_bf16 ? round_bf16(rotated) : rotated, j->kv_fmt);
+                          is_bf16 ? round_bf16(y[d]) : y[d], j->kv_fmt);
         }
     }
     for (int64_t h = 0; h < Hkv; h++) {
@@ -121,12 +124,13 @@ static void rope_item(void *arg, int64_t t) {
     }
 }
 
-int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
                const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads) {
-    if (D > MAX_D || D % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
+    if (D > MAX_D || R > D || R < 2 || R % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
-    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, bs, eps, is_bf16, kv_fmt};
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps, is_bf16,
+                    kv_fmt};
     pool_for(T, rope_item, &job, num_threads);
     return 0;
 }

@@ -131,9 +131,7 @@ class DecoderLayer(nn.Module):
 
 def fused_params(ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: GatedMLP) -> tuple[tuple, dict] | None:
     """layer_params' arguments for a layer's shared parts, or None where the one-call layer cannot run it
-    (partial RoPE; a linear neither packed nor quantized; quantized weights with bfloat16 activations)."""
-    if attn.rope_dim != attn.head_dim:
-        return None
+    (a linear neither packed nor quantized; quantized weights with bfloat16 activations)."""
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     quantized = [isinstance(m, QuantLinear) for m in linears]
     if not all(isinstance(m, PackedLinear) or q for m, q in zip(linears, quantized)):
@@ -143,7 +141,7 @@ def fused_params(ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: GatedMLP) -> 
     norms = {} if attn.q_norm is None else {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
     return ((ln1.weight, attn.qkv_proj, attn.o_proj, ln2.weight, mlp.gate_up_proj, mlp.down_proj),
             dict(eps=ln1.eps, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                 window=attn.window, scale=attn.scale, activation=mlp.activation, **norms))
+                 rope_dim=attn.rope_dim, window=attn.window, scale=attn.scale, activation=mlp.activation, **norms))
 
 
 class LlamaModel(nn.Module):
@@ -225,8 +223,8 @@ class LlamaModel(nn.Module):
         self.kernels = lib   # the runner plans for the C attention kernel
         self.fused_layers = fuse and all([layer.fuse() for layer in self.layers])
         if fuse and not self.fused_layers:
-            logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover %s)",
-                        "partial RoPE" if self.arch.rope_dim != self.arch.head_dim else "every layer's parts")
+            logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover "
+                        "every layer's parts)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -131,8 +131,8 @@ def test_checkpoint_features_are_loaded(models: tuple[str, LlamaModel, torch.nn.
         assert ours.layers[0].self_attn.k_norm.weight.std() > 0.05
     if ours.kernels is None:   # with kernels a tied output layer gets a packed copy
         assert (ours.lm_head is None) == arch.tie_word_embeddings
-    else:   # every layer in one C call, but for partial RoPE (Phi-3's), which runs op by op
-        assert ours.fused_layers == (name != "phi3")
+    else:   # every layer in one C call, Phi-3's partial RoPE included
+        assert ours.fused_layers
     if name == "qwen2":
         bias = ours.layers[0].self_attn.qkv_proj.bias
         assert arch.qkv_bias and bias is not None and bias.abs().min() > 0
