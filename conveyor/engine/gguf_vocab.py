@@ -19,7 +19,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.gguf_spm import spm_backend
+from conveyor.engine.gguf_spm import DEFAULT_MERGES_CACHE, spm_backend
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.gguf_metadata import GGUFValue, read_gguf_metadata
 
@@ -133,8 +133,9 @@ def _make_pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """Build the tokenizer a GGUF file's metadata describes (`tokenizer.ggml.model` "gpt2" or "llama")."""
+def tokenizer_from_gguf(path: str | Path, merges_cache: Path | None = DEFAULT_MERGES_CACHE) -> Tokenizer:
+    """Build the tokenizer a GGUF file's metadata describes (`tokenizer.ggml.model` "gpt2" or "llama");
+    merges_cache: where a SentencePiece vocabulary's derived merges are kept (None: derived each time)."""
     started = time.perf_counter()
     source = str(path)
     meta = read_gguf_metadata(path, _TOKENIZER_KEYS)
@@ -174,7 +175,7 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         names = tokens if all(tokens) else [token or f"[EMPTY_{i}]" for i, token in enumerate(tokens)]
         backend, num_merges = spm_backend(
             names, vocab, np.asarray(scores), add_space_prefix=bool(add_space_prefix),
-            unk_token=token_at("tokenizer.ggml.unknown_token_id", 0),
+            unk_token=token_at("tokenizer.ggml.unknown_token_id", 0), merges_cache=merges_cache,
         )
         detail = f"{num_merges} merges from scores, add_space_prefix={bool(add_space_prefix)}"
         add_bos_default = True

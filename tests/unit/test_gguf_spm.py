@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.gguf_spm import spm_merges
+from conveyor.engine.gguf_spm import cached_spm_merges, spm_merges
 from conveyor.engine.gguf_vocab import tokenizer_from_gguf
 from conveyor.engine.tokenizer import Tokenizer
 
@@ -173,6 +173,28 @@ def test_merges_rank_by_the_merged_tokens_score() -> None:
     vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5, "ca": 6}
     scores = np.array([0, 0, 0, -3, -1, -2, -5, 0], dtype=np.float32)
     assert spm_merges(tokens, vocab, scores) == [("b", "c"), ("a", "bc"), ("ab", "c"), ("a", "b"), ("c", "a")]
+
+
+def test_merges_cache_is_per_vocabulary_and_survives_a_bad_file(pair: tuple[Tokenizer, spm.SentencePieceProcessor, bool],
+                                                                  tmp_path: Path) -> None:
+    _, sp, _ = pair
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    scores = np.array([sp.get_score(i) for i in range(len(tokens))], dtype=np.float32)
+    want = spm_merges(tokens, vocab, scores)
+    assert cached_spm_merges(tokens, vocab, scores, tmp_path) == want   # derived and written
+    (written,) = tmp_path.iterdir()
+    assert written.stat().st_size > 8 * len(want)
+    assert cached_spm_merges(tokens, vocab, scores, tmp_path) == want   # read back
+    changed = scores.copy()
+    changed[vocab["▁t"]], changed[vocab["he"]] = changed[vocab["he"]], changed[vocab["▁t"]]
+    assert cached_spm_merges(tokens, vocab, changed, tmp_path) == spm_merges(tokens, vocab, changed)
+    assert len(list(tmp_path.iterdir())) == 2   # another vocabulary, another entry
+    written.write_bytes(b"not a numpy file")
+    assert cached_spm_merges(tokens, vocab, scores, tmp_path) == want   # derived again, and rewritten
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the folder would go")
+    assert cached_spm_merges(tokens, vocab, scores, blocked) == want   # cannot write: derived, logged
 
 
 def test_gemma_style_file(tmp_path: Path) -> None:
