@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _SPACE = "\u2581"   # SentencePiece's visible space
 # Derived merges kept per vocabulary: Gemma 3's 262,144 tokens take ~1 s to derive, ~0.1 s to read back.
 DEFAULT_MERGES_CACHE = Path.home() / ".cache" / "conveyor" / "tokenizers"
-_CACHE_FORMAT = b"spm-merges-v1\0"
+_CACHE_FORMAT = b"spm-merges-v1\0"   # hashed into every key: change it whenever spm_merges changes
 
 
 def spm_backend(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, *, add_space_prefix: bool,
