@@ -39,6 +39,7 @@ from bench.client import ServingRun, greedy_text, run_serving
 from bench.limits import model_arch
 from bench.metrics import summarize
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
+from conveyor.model.checkpoint import is_gguf
 
 GIB = 1024 ** 3
 MEMORY_INTERVAL_S = 0.05
@@ -320,7 +321,7 @@ def main() -> None:
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {sizes}", flush=True)
     results: dict[str, dict] = {}
     for model in map(Path, args.model):
-        if not servers.is_gguf(model):
+        if not is_gguf(model):
             raise SystemExit(f"{model} is not a GGUF file")
         try:
             arch = model_arch(str(model))

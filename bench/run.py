@@ -22,6 +22,7 @@ from bench import conveyor_offline, hf_peers, limits, report, servers
 from bench.client import run_serving
 from bench.metrics import samples, summarize
 from bench.workloads import OfflineRequest, add_workload_arguments, offline_workload, warmup_workload
+from conveyor.model.checkpoint import is_gguf
 
 FAMILIES = ("conveyor", "conveyor-server", "llama-server-f32", "llama-server-q8_0", "llama-server-q4_1",
             "llama-server-model", "hf-sequential", "hf-static", "hf-generate-batch")
@@ -177,7 +178,7 @@ class Runner:
             return None, dict.fromkeys((*LLAMA_FAMILIES, MODEL_PEER), reason)
         if self.args.model is not None:
             path = Path(self.args.model)
-            return llama, {MODEL_PEER: path if servers.is_gguf(path) else f"llama-server needs a GGUF file, not {path}"}
+            return llama, {MODEL_PEER: path if is_gguf(path) else f"llama-server needs a GGUF file, not {path}"}
         from conveyor.model.checkpoint import default_model_path
 
         made = {"llama-server-f32": llama.f32_gguf, "llama-server-q8_0": llama.q8_0_gguf}
@@ -227,7 +228,7 @@ class Runner:
 def peer_family(args: argparse.Namespace) -> str:
     """The llama-server family whose weights match conveyor's in this run (gguf: the bundled Q4_1 file;
     with --model FILE.gguf: that file; an HF folder is compared as float32 weights, like the bundled model)."""
-    if args.model is not None and servers.is_gguf(Path(args.model)):
+    if args.model is not None and is_gguf(Path(args.model)):
         return MODEL_PEER
     return {"int8": "llama-server-q8_0", "gguf": "llama-server-q4_1"}.get(args.conveyor_quantization,
                                                                        "llama-server-f32")
@@ -237,7 +238,7 @@ def resolve_conveyor_options(args: argparse.Namespace) -> None:
     """Unset --conveyor-dtype/--conveyor-quantization: float32 weights (the F32 peer's) on the bundled model
     or an HF folder; with --model FILE.gguf, None: the flag is not passed and conveyor runs the file as
     it would by default, as llama-server does."""
-    if args.model is None or not servers.is_gguf(Path(args.model)):
+    if args.model is None or not is_gguf(Path(args.model)):
         args.conveyor_dtype = args.conveyor_dtype or "float32"
         args.conveyor_quantization = args.conveyor_quantization or "none"
 

@@ -23,20 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.client import wait_healthy
+from conveyor.model.checkpoint import is_gguf
 
 DEFAULT_PEERS_DIR = Path.home() / ".cache" / "conveyor-peers"
 F32_GGUF_NAME = "SmolLM2-135M-Instruct.F32.gguf"
 Q8_0_GGUF_NAME = "SmolLM2-135M-Instruct.Q8_0.gguf"   # both made by scripts/build_llama_cpp.sh
 BUILD_HINT = "run scripts/build_llama_cpp.sh"
-
-
-def is_gguf(path: Path) -> bool:
-    """A file that starts with GGUF's magic bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 def free_port() -> int:

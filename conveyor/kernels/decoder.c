@@ -102,8 +102,8 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
     status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, l->rope_dim, cos, sin, s->slots, k_cache,
-                         v_cache,
-                         s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, (int)s->kv_fmt, s->num_threads);
+                         v_cache, s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, (int)s->kv_fmt,
+                         s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
                               l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16, (int)s->kv_fmt);

@@ -70,11 +70,11 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
 }
 
 /* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. The leading R values of each q and k
- * head turn (R = D but for partial RoPE, as Phi-3's), the rest pass unchanged. cos, sin: [T, R] float32,
- * sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin. q_norm, k_norm: per-head RMSNorm weights applied
- * before the rotation (NULL: none; Gemma's order: normalise and scale in float32, round once). Caches in
- * the activations' dtype, slot = block * bs + offset: keys [blocks, Hkv, D, bs] (transposed, as the
- * attention kernel reads them), values [blocks, bs, Hkv, D]. */
+ * head turn (R = D but for partial RoPE, as Phi-3's), the rest pass unchanged. cos, sin: [T, R]
+ * float32, sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin. q_norm, k_norm: per-head
+ * RMSNorm weights applied before the rotation (NULL: none; Gemma's order: normalise and scale in
+ * float32, round once). Caches in the activations' dtype, slot = block * bs + offset: keys
+ * [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values [blocks, bs, Hkv, D]. */
 typedef struct {
     void *qkv, *k_cache, *v_cache;
     const float *cos, *sin;

@@ -52,6 +52,10 @@ def default_model_name(path: Path) -> str:
 
 
 def is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+    """A file that starts with GGUF's magic bytes (a folder or an unreadable path is not)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 

@@ -54,17 +54,18 @@ class DecodeGraphs:
         self.pool = None
         self.failed: str | None = None   # why capturing failed; every step then runs eagerly
 
-    def accepts(self, plan: StepPlan) -> bool:
-        """One new token per row, no guesses to verify, and within the buckets."""
-        return (self.failed is None and 0 < len(plan.rows) <= self.batch_sizes[-1]
-                and len(max((r.block_table for r in plan.rows), key=len)) <= self.block_counts[-1]
-                and all(r.num_tokens == 1 and r.num_draft_tokens == 0 for r in plan.rows))
-
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits (S, V) float32 of the plan's sampling rows, or None when no graph could be captured."""
+        """Logits (S, V) float32 of the plan's sampling rows; None where the step is not one a graph
+        replays (a prompt chunk, guesses to verify, past the buckets) or no graph could be captured."""
         rows = plan.rows
+        if (self.failed is not None or not 0 < len(rows) <= self.batch_sizes[-1]
+                or any(r.num_tokens != 1 or r.num_draft_tokens for r in rows)):
+            return None
+        longest = max(len(r.block_table) for r in rows)
+        if longest > self.block_counts[-1]:
+            return None
         size = next(b for b in self.batch_sizes if b >= len(rows))
-        blocks = next(n for n in self.block_counts if n >= max(len(r.block_table) for r in rows))
+        blocks = next(n for n in self.block_counts if n >= longest)
         graph = self.graphs.get((size, blocks)) or self._capture(size, blocks)
         if graph is None:
             return None

@@ -38,10 +38,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the plan's packed batch; returns logits (S, V) float32 for its sampling rows, in order."""
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.accepts(plan):
-                logits = self.graphs.run(plan)
-                if logits is not None:
-                    return logits
+            logits = None if self.graphs is None else self.graphs.run(plan)
+            if logits is not None:
+                return logits
             batch = build_batch(plan, self.kv_cache.block_size, self.model.arch.sliding_window, self.device,
                                 self.kernel_tile_size)
             return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
