@@ -421,20 +421,32 @@ typedef struct {
     kq_segment seg[KQ_MAX_SEGMENTS];
 } kq_linear_t;
 
+typedef struct {   /* kquant_k.c's activations: [M][K], [M][K/256], [M][K/32], [M][K/16] */
+    int8_t *qx;
+    float *du;
+    int32_t *bs32, *o16;
+} kacts;
+
 typedef struct {
     const kq_linear_t *L;
     const float *x;
     int64_t ldx, ldy, M;
     float *y;
     acts a;
+    kacts k;
+    int has_k, has_other;
     int64_t first_item[KQ_MAX_SEGMENTS + 1], col[KQ_MAX_SEGMENTS], panels[KQ_MAX_SEGMENTS];
 } linear_job;
 
 static void quantize_item(void *arg, int64_t m) {
     const linear_job *j = arg;
     const int64_t K = j->L->k, KB = K / QK;
-    quantize_row(j->x + m * j->ldx, K, j->a.qx + m * K, j->a.dx + m * KB, j->a.sx + m * KB, j->a.sxd + m * KB,
-                 j->a.s16 + m * KB);
+    if (j->has_other)
+        quantize_row(j->x + m * j->ldx, K, j->a.qx + m * K, j->a.dx + m * KB, j->a.sx + m * KB, j->a.sxd + m * KB,
+                     j->a.s16 + m * KB);
+    if (j->has_k)
+        kq_quantize_row_k(j->x + m * j->ldx, K, j->k.qx + m * K, j->k.du + m * (K / 256), j->k.bs32 + m * (K / 32),
+                          j->k.o16 + m * (K / 16));
 }
 
 /* Items: per segment, (block of MC rows, panel), block-major. */
@@ -453,6 +465,10 @@ static void linear_item(void *arg, int64_t item) {
         const uint8_t *wp = seg->w + p * quant_panel_bytes(fmt, K);
         quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
                          j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
+    } else if (is_kquant(fmt)) {
+        const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
+        kq_panel_k(fmt, wp, K, j->k.qx + m0 * K, j->k.du + m0 * (K / 256), j->k.bs32 + m0 * (K / 32),
+                   j->k.o16 + m0 * (K / 16), bias, y + m0 * j->ldy, j->ldy, nc, m1 - m0);
     } else {
         const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
         acts shifted = {j->a.qx + m0 * K, j->a.dx + m0 * KB, j->a.sxd + m0 * KB, j->a.sx + m0 * KB,
@@ -472,14 +488,26 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
             return -1;
     if (M <= 0) return 0;
     const int64_t KB = K / QK, blocks = (M + MC - 1) / MC;
-    linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, {0}, {0}};
-    job.a.qx = malloc((size_t)(M * K));
-    job.a.dx = malloc(sizeof(float) * M * KB);
-    job.a.sxd = malloc(sizeof(float) * M * KB);
-    job.a.sx = malloc(sizeof(int32_t) * M * KB);
-    job.a.s16 = malloc(sizeof(int32_t) * M * KB);
-    if (!job.a.qx || !job.a.dx || !job.a.sxd || !job.a.sx || !job.a.s16) {
+    linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, 0, 0, {0}, {0}, {0}};
+    for (int64_t s = 0; s < L->num_segments; s++) {
+        if (is_kquant((int)L->seg[s].fmt)) job.has_k = 1;
+        else job.has_other = 1;
+    }
+    const int64_t n_other = job.has_other ? M : 0, n_k = job.has_k ? M : 0;
+    /* malloc(0) may return NULL: every buffer gets at least one byte */
+    job.a.qx = malloc((size_t)(n_other * K) + 1);
+    job.a.dx = malloc(sizeof(float) * n_other * KB + 1);
+    job.a.sxd = malloc(sizeof(float) * n_other * KB + 1);
+    job.a.sx = malloc(sizeof(int32_t) * n_other * KB + 1);
+    job.a.s16 = malloc(sizeof(int32_t) * n_other * KB + 1);
+    job.k.qx = malloc((size_t)(n_k * K) + 1);
+    job.k.du = malloc(sizeof(float) * n_k * (K / 256) + 1);
+    job.k.bs32 = malloc(sizeof(int32_t) * n_k * (K / 32) + 1);
+    job.k.o16 = malloc(sizeof(int32_t) * n_k * (K / 16) + 1);
+    if (!job.a.qx || !job.a.dx || !job.a.sxd || !job.a.sx || !job.a.s16 || !job.k.qx || !job.k.du || !job.k.bs32 ||
+        !job.k.o16) {
         free(job.a.qx); free(job.a.dx); free(job.a.sxd); free(job.a.sx); free(job.a.s16);
+        free(job.k.qx); free(job.k.du); free(job.k.bs32); free(job.k.o16);
         return -2;
     }
     int64_t col = 0;
@@ -492,6 +520,7 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
     pool_for(M, quantize_item, &job, M * K < 16384 ? 1 : num_threads);   /* a few rows: not worth a thread */
     pool_for(job.first_item[L->num_segments], linear_item, &job, num_threads);
     free(job.a.qx); free(job.a.dx); free(job.a.sxd); free(job.a.sx); free(job.a.s16);
+    free(job.k.qx); free(job.k.du); free(job.k.bs32); free(job.k.o16);
     return 0;
 }
 
