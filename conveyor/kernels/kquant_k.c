@@ -156,6 +156,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
 
 /* A unit's codes, 8 blocks x 8 groups x (channels 0-15, 16-31) x 64 bytes, for passes over many rows. */
 KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
+    for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
     for (int j = 0; j < 8; j++) {
         const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt);
         for (int g = 0; g < 8; g++) {
