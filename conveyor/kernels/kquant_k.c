@@ -1,12 +1,14 @@
-/* Matmul on weights kept in Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
+/* Matmul on weights kept in Q5_0, Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
  * output channels (see kquant.h), written once over kq_vec.h's 16-lane values.
  *
- * Activations are quantized as llama.cpp's Q8_K: one scale per row and 256-k unit (du = amax / 127),
- * int8 codes, and the codes' sums per 32 k (for Q4_K / Q5_K's mins) and per 16 k (for Q6_K's
- * offset of 32, kept as 32 * sum). Within a unit everything is integer and exact:
+ * The K-quants' activations are quantized as llama.cpp's Q8_K: one scale per row and 256-k unit
+ * (du = amax / 127), int8 codes, and the codes' sums per 32 k (for Q4_K / Q5_K's mins) and per 16 k
+ * (for Q6_K's offset of 32, kept as 32 * sum); Q5_0's as quant.c's formats, per 32 k (its unit).
+ * Within a unit everything is integer and exact:
  *
  *   Q4_K / Q5_K   si = sum_j sc_j dot_j,  sm = sum_j m_j bsum_j     y += du (d si - dmin sm)
  *   Q6_K          si = sum_s sc_s (dot_s - 32 hsum_s)               y += (d du) si
+ *   Q5_0          si = dot - 16 bsum                                y += (d du) si
  *
  * so a unit costs two float steps per channel, and the same float operations on every path and
  * for every batch size: a row's result never depends on the other rows or the instruction set.
@@ -71,7 +73,7 @@ KQV void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high, con
     const v16i v = vload(nib + 64 * g);
     *lo = vand8(v, 0x0f);
     *hi = vand8(vshift(v, -4), 0x0f);
-    if (fmt == FMT_Q5_K) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
+    if (fmt == FMT_Q5_K || fmt == FMT_Q5_0) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
         const v16i u = vload(high + 64 * (g / 4));
         const int t = g % 4;
         *lo = vor(*lo, vand8(vshift(u, 4 - 2 * t), 0x10));
@@ -85,11 +87,13 @@ KQV void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high, con
 }
 
 typedef struct {
-    const int8_t *q;        /* this unit's 256 codes */
+    const int8_t *q;        /* this unit's codes */
     float du;
-    const int32_t *bs32;    /* this unit's 8 sums of 32 */
-    const int32_t *o16;     /* this unit's 16 values 32 * (sum of 16) */
+    const int32_t *bs32;    /* this unit's sums of 32 */
+    const int32_t *o16;     /* this unit's 16 values 32 * (sum of 16) (Q6_K) */
 } row_unit;
+
+static inline int unit_blocks(int fmt) { return fmt == FMT_Q5_0 ? 1 : 8; }
 
 /* acc[r][0..32) += unit's contribution for rows r < mr. Codes come from the panel (decoded == NULL)
  * or from decode_unit's copy. */
@@ -97,10 +101,11 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                    float (*acc)[NR]) {
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt), *high = nib + 512;
         if (!decoded)   /* an eighth of a unit per block, so headers are fetched ahead too */
-            for (int64_t i = (j * unit_bytes(fmt) / 8) & ~63; i < (j + 1) * unit_bytes(fmt) / 8; i += 64)
+            for (int64_t i = (j * unit_bytes(fmt) / unit_blocks(fmt)) & ~63; i < (j + 1) * unit_bytes(fmt) / unit_blocks(fmt);
+                 i += 64)
                 __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
@@ -124,7 +129,9 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             }
         }
         for (int h = 0; h < 2; h++) {
-            if (fmt == FMT_Q6_K) {
+            if (fmt == FMT_Q5_0) {
+                for (int r = 0; r < mr; r++) si[r][h] = vsub(da[r][h], vset(16 * x[r].bs32[0]));
+            } else if (fmt == FMT_Q6_K) {
                 const v16i sa = vi8(unit + 64 + (2 * j) * 32 + h * 16), sb = vi8(unit + 64 + (2 * j + 1) * 32 + h * 16);
                 for (int r = 0; r < mr; r++) {
                     const v16i a = vsub(da[r][h], vset(x[r].o16[2 * j])), b = vsub(db[r][h], vset(x[r].o16[2 * j + 1]));
@@ -141,7 +148,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
     }
     for (int h = 0; h < 2; h++) {
         const v16f d = vf16(unit + h * 32);
-        if (fmt == FMT_Q6_K) {
+        if (fmt == FMT_Q6_K || fmt == FMT_Q5_0) {
             for (int r = 0; r < mr; r++)
                 vfstore(acc[r] + 16 * h, vfma(vfmul(d, vfset(x[r].du)), vcvt(si[r][h]), vfload(acc[r] + 16 * h)));
         } else {
@@ -157,7 +164,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
 /* A unit's codes, 8 blocks x 8 groups x (channels 0-15, 16-31) x 64 bytes, for passes over many rows. */
 KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt);
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
@@ -168,7 +175,7 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     }
 }
 
-typedef struct {
+typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (and 32 x sums per 16) */
     const int8_t *qx;
     const float *du;
     const int32_t *bs32, *o16;
@@ -178,11 +185,11 @@ typedef struct {
 KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a, int64_t u,
                       int64_t r0, int mr, float (*acc)[NR]) {
     row_unit x[ROWS];
-    const int64_t K = a->K;
+    const int64_t K = a->K, uk = unit_k(fmt);
     for (int r = 0; r < mr; r++) {
         const int64_t row = r0 + r;
-        x[r] = (row_unit){a->qx + row * K + u * 256, a->du[row * (K / 256) + u], a->bs32 + row * (K / 32) + u * 8,
-                          a->o16 + row * (K / 16) + u * 16};
+        x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
+                          fmt == FMT_Q6_K ? a->o16 + row * (K / 16) + u * 16 : a->o16};
     }
     switch (mr) {   /* a constant row count per instance keeps the accumulators in registers */
         case 1: unit_rows(fmt, 1, unit, decoded, x, acc); break;
@@ -195,7 +202,7 @@ KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded
 }
 
 KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
-    const int64_t units = a->K / 256;
+    const int64_t units = a->K / unit_k(fmt);
     if (M <= ROWS) {
         for (int64_t u = 0; u < units; u++) rows_of_unit(fmt, wp + u * unit_bytes(fmt), NULL, a, u, 0, (int)M, acc);
         return;
@@ -209,14 +216,15 @@ KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t 
     }
 }
 
-/* Rows [0, M) (at most 64) of one panel -> y columns [0, nc) (+ bias). Activations as kq_quantize_row_k
- * writes them, row r at offset r. */
+/* Rows [0, M) (at most 64) of one panel -> y columns [0, nc) (+ bias). Activations row r at offset r:
+ * the K-quants' as kq_quantize_row_k writes them, Q5_0's per 32 k (scale du, sum bs32; o16 unused). */
 void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const float *du, const int32_t *bs32,
                 const int32_t *o16, const float *bias, float *y, int64_t ldy, int64_t nc, int64_t M) {
     float acc[64][NR];
     memset(acc, 0, sizeof(float) * NR * (size_t)M);
     const kacts_view a = {qx, du, bs32, o16, K};
     switch (fmt) {
+        case FMT_Q5_0: panel_k(FMT_Q5_0, wp, &a, M, acc); break;
         case FMT_Q4_K: panel_k(FMT_Q4_K, wp, &a, M, acc); break;
         case FMT_Q5_K: panel_k(FMT_Q5_K, wp, &a, M, acc); break;
         default: panel_k(FMT_Q6_K, wp, &a, M, acc); break;
@@ -225,4 +233,5 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
         for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
 }
 
-int kq_isa_k(void) { return KQV_ISA; }
+/* This build's code path: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AVX2 with 256-bit VNNI. */
+int kq_isa(void) { return KQV_ISA; }

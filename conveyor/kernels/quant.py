@@ -21,7 +21,7 @@ from conveyor.kernels.build import KernelLibrary
 QK = 32      # weights per block along K
 PANEL = 32   # output channels per panel
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}
-LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant.c's
+LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant_k.c's
 K_QUANTS = ("q4_k", "q5_k", "q6_k")          # activations quantized per 256 k (llama.cpp's Q8_K)
 # Weights per file block along K, for the formats repacked in C.
 BLOCK_WEIGHTS = {"q5_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
@@ -66,8 +66,6 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
         lib.quant_isa.argtypes = []
         lib.kq_isa.restype = ctypes.c_int
         lib.kq_isa.argtypes = []
-        lib.kq_isa_k.restype = ctypes.c_int
-        lib.kq_isa_k.argtypes = []
         lib.kq_activations_k.restype = ctypes.c_int
         lib.kq_activations_k.argtypes = [_P, _I64, _I64, _I64, _P, _P]
         lib.kq_linear.restype = ctypes.c_int
@@ -87,8 +85,6 @@ def isa(built: KernelLibrary, fmt: str = "q8_0") -> str:
     """The code path `fmt` runs on in this build."""
     if fmt in LEGACY:
         return _ISA[_lib(built).quant_isa()]
-    if fmt in K_QUANTS:
-        return _ISA[_lib(built).kq_isa_k()]
     return _ISA[_lib(built).kq_isa()]
 
 
