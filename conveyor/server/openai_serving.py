@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,6 +26,7 @@ from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, Prompt
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.request_limits import check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -182,14 +184,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ /v1/completions
 
-    async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         await self.compile_grammar(params, body.constraint_field)
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
-        group = self._start("cmpl", prompts, params, body.priority, tenant_of(request, body.user))
+        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
+        group = self._start("cmpl", prompts, params, body.priority, tenant)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
@@ -197,14 +201,14 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return CompletionResponse(
+        return await _off_the_loop(lambda: CompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       logprobs=self._completion_logprobs(c.logprobs, 0)
                                       if params.logprobs is not None else None)
                      for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        )
+        ))
 
     async def _completion_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                                  body: CompletionRequest) -> AsyncIterator[str]:
@@ -261,16 +265,18 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ /v1/chat/completions
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         if body.tools:
             await asyncio.to_thread(check_tool_schemas, body.tools)
         await self.compile_grammar(params, body.constraint_field)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
+        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, tenant_of(request, body.user))
+            group = self._start("chatcmpl", prompts, params, body.priority, tenant)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
@@ -284,11 +290,11 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return ChatCompletionResponse(
+        return await _off_the_loop(lambda: ChatCompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        )
+        ))
 
     def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest) -> ChatChoice:
         content: str | None = "".join(choice.text)
@@ -358,6 +364,15 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
 
+async def _off_the_loop(build: Callable[[], BaseModel]) -> Response:
+    """Build and serialize a whole response on a worker thread: with logprobs of many choices it
+    is megabytes of JSON, which must not hold up other streams and /health."""
+    def render() -> Response:
+        return Response(build().model_dump_json(), media_type="application/json")
+
+    return await asyncio.to_thread(render)
+
+
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """OpenAI says tool_calls when the model ended its turn by calling tools."""
     return "tool_calls" if called and reason == "stop" else reason
@@ -373,11 +388,3 @@ def _tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallD
     return [ToolCallDelta(index=first_index + i, id=call.id, type="function",
                           function=FunctionCallDelta(name=call.name, arguments=call.arguments))
             for i, call in enumerate(calls)]
-
-
-TENANT_HEADER = "x-tenant"
-
-
-def tenant_of(request: Request, user: str | None) -> str:
-    """Whose request: the X-Tenant header (set by a gateway that knows its callers) over the body's user."""
-    return request.headers.get(TENANT_HEADER) or user or ""
