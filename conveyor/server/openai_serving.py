@@ -8,7 +8,6 @@ that, an error reaches a streaming client as an error event followed by `[DONE]`
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import logging
 import time
@@ -16,16 +15,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.off_loop import THREAD_TOKENIZE_CHARS, encode_large, render_off_loop, respond_off_loop
 from conveyor.server.request_limits import check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
@@ -62,27 +60,6 @@ from conveyor.server.streaming import (
 
 logger = logging.getLogger(__name__)
 
-_THREAD_TOKENIZE_CHARS = 64 * 1024   # longer texts are tokenized off the event loop
-_TRIM_AFTER_CHARS = 1024 * 1024       # after tokenizing this much, hand freed heap back to the OS
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim   # glibc; elsewhere freed memory is left to the allocator
-    except (OSError, AttributeError):
-        return None
-
-
-_trim_heap = _malloc_trim()
-
-
-def _encode_large(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Tokenize on a worker thread. A big text leaves hundreds of MB of freed tokenizer buffers in
-    glibc's arenas (8 MB of text: about 600 MB of RSS), which stay in the process unless trimmed."""
-    token_ids = tokenizer.encode(text, add_special_tokens)
-    if len(text) > _TRIM_AFTER_CHARS and _trim_heap is not None:
-        _trim_heap(0)
-    return token_ids
 CLIENT_CLOSED_REQUEST = 499          # nginx's status for a client that left; nobody reads it
 
 
@@ -123,8 +100,8 @@ class OpenAIServing:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Large texts are tokenized on a worker thread, so streams and /health go on meanwhile.
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(_encode_large, self.tokenizer, text, add_special_tokens)
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(encode_large, self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
     async def _render_chat(self, body: ChatCompletionRequest) -> str:
@@ -140,7 +117,7 @@ class OpenAIServing:
         self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, tools=template_tools)
-        text = await asyncio.to_thread(render) if num_chars > _THREAD_TOKENIZE_CHARS else render()
+        text = await render_off_loop(render)
         self.check_prompt_chars(len(text), "messages")
         return text
 
@@ -201,7 +178,7 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return await _off_the_loop(lambda: CompletionResponse(
+        return await respond_off_loop(lambda: CompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       logprobs=self._completion_logprobs(c.logprobs, 0)
@@ -290,7 +267,7 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return await _off_the_loop(lambda: ChatCompletionResponse(
+        return await respond_off_loop(lambda: ChatCompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
@@ -362,15 +339,6 @@ class OpenAIServing:
             content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
                                             top_logprobs=[top(i, lp) for i, lp in entry.top]))
         return ChatLogprobs(content=content)
-
-
-async def _off_the_loop(build: Callable[[], BaseModel]) -> Response:
-    """Build and serialize a whole response on a worker thread: with logprobs of many choices it
-    is megabytes of JSON, which must not hold up other streams and /health."""
-    def render() -> Response:
-        return Response(build().model_dump_json(), media_type="application/json")
-
-    return await asyncio.to_thread(render)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
