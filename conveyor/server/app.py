@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
+from conveyor.engine.core_watchdog import CoreWatchdog
 from conveyor.errors import (
     ConveyorError,
     InvalidRequest,
@@ -65,8 +66,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
-        (503, "the server is shutting down, or its engine core died, or it has --max-concurrency requests "
-              "in progress (code `server_busy`, with `Retry-After`)"),
+        (503, "the server is shutting down, or its engine core died or made no progress for "
+              "--core-stall-timeout, or it has --max-concurrency requests in progress (code `server_busy`, "
+              "with `Retry-After`)"),
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -92,16 +94,19 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars)
     created = int(time.time())
 
+    watchdog = CoreWatchdog(async_engine, server.core_stall_timeout_s)
     batch_store = BatchStore(None if server.state_dir is None else Path(server.state_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watchdog.start()
         runner = app.state.batch_runner = BatchRunner(batch_store, app, async_engine.info.scheduler.max_num_seqs,
                                                       api_key)
         runner.start()
         yield
         await runner.stop()             # lines in flight stay pending: a restart runs them
+        await watchdog.stop()
         await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
 
     # The docs page is served with Swagger UI's own files (swagger-ui-bundle), not FastAPI's CDN links,
@@ -195,6 +200,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
             return error_response(EngineDeadError(async_engine.dead_reason))
         if not async_engine.is_accepting:
             return error_response(EngineDeadError("the server is shutting down"))
+        if async_engine.stall_reason is not None:
+            return error_response(EngineDeadError(async_engine.stall_reason))
         return HealthResponse()
 
     @app.get("/metrics", response_class=Response,
