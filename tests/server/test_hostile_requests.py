@@ -44,6 +44,9 @@ def test_chat_limits_are_400s(tiny_server: RunningServer) -> None:
     error = error_of(post(tiny_server, "/v1/chat/completions", {
         **CHAT, "messages": [{"role": "user", "content": ""}] * (MAX_CHAT_MESSAGES + 1)}))
     assert error["param"] == "messages" and f"at most {MAX_CHAT_MESSAGES} messages" in error["message"], error
+    too_many = [{"role": "user", "content": ""}] * (MAX_CHAT_MESSAGES + 1)
+    error = error_of(post(tiny_server, "/tokenize", {"messages": too_many}))
+    assert f"at most {MAX_CHAT_MESSAGES} messages" in error["message"], error
     error = error_of(post(tiny_server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 20,
                                                                     "n": 16, "max_tokens": 200}))
     assert error["param"] == "top_logprobs" and "logprob entries" in error["message"], error
@@ -68,7 +71,8 @@ def test_tenant_labels_are_short_and_plain() -> None:
 def test_metrics_stay_small_whatever_tenants_are_named(tiny_server: RunningServer) -> None:
     for i in range(3):
         tenant = f'{i}"}}\n' + "z" * (MAX_TENANT_CHARS - 5)
-        assert post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "user": tenant}).status_code == 200
+        response = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "user": tenant})
+        assert response.status_code == 200, response.text
     text = httpx.get(f"{tiny_server.base_url}/metrics", timeout=10).text
     tenants = set(re.findall(r'tenant="([^"]*)"', text))
     assert tenants and all(len(t) <= MAX_TENANT_LABEL_CHARS for t in tenants), tenants
