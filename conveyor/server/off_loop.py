@@ -42,6 +42,11 @@ def encode_large(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> l
     return token_ids
 
 
+def encode_all(tokenizer: Tokenizer, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+    """A completion's prompts as token ids (texts tokenized with special tokens, id lists copied)."""
+    return [encode_large(tokenizer, p, True) if isinstance(p, str) else list(p) for p in prompts]
+
+
 async def render_off_loop(render: Callable[[], str]) -> str:
     """A chat template render, always on a worker thread: the template came with the model. Its
     budget stops the render itself (chat_template.py); the timeout answers the client even if not."""

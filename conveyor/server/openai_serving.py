@@ -23,8 +23,14 @@ from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, Prompt
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
-from conveyor.server.off_loop import THREAD_TOKENIZE_CHARS, encode_large, render_off_loop, respond_off_loop
-from conveyor.server.request_limits import check_logprobs_budget, tenant_of
+from conveyor.server.off_loop import (
+    THREAD_TOKENIZE_CHARS,
+    encode_all,
+    encode_large,
+    render_off_loop,
+    respond_off_loop,
+)
+from conveyor.server.request_limits import check_choice_count, check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -167,8 +173,12 @@ class OpenAIServing:
         params = body.sampling_params()
         await self.compile_grammar(params, body.constraint_field)
         texts = body.prompts()
-        self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
-        prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
+        check_choice_count(len(texts), params.n)
+        num_chars = sum(len(p) for p in texts if isinstance(p, str))
+        self.check_prompt_chars(num_chars, "prompt")
+        # Many short prompts add up: past the threshold in all, they are tokenized on one worker thread.
+        prompts = (await asyncio.to_thread(encode_all, self.tokenizer, texts) if num_chars > THREAD_TOKENIZE_CHARS
+                   else encode_all(self.tokenizer, texts))
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
         group = self._start("cmpl", prompts, params, body.priority, tenant)
         created = int(time.time())

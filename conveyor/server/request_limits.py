@@ -2,8 +2,9 @@
 
 SamplingParams bounds what both APIs share (stop lists, n, top logprobs); here are the server's
 own: who the request is for (a tenant name becomes a metrics label and a scheduler key), how many
-messages a chat may have (each is parsed and templated), and how many logprob entries a response
-may carry (each is tens of bytes of JSON, built before the response goes out).
+messages a chat may have (each is parsed and templated), how many choices one request may start,
+and how many logprob entries a response may carry (each is tens of bytes of JSON, built before the
+response goes out).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from conveyor.sampling_params import SamplingParams
 TENANT_HEADER = "x-tenant"
 MAX_TENANT_CHARS = 256
 MAX_CHAT_MESSAGES = 4096
+MAX_CHOICES_PER_REQUEST = 2048   # prompts x n: each is an engine request, started and tracked on the loop
 # Sampled and top tokens over all choices and output tokens of one response: about 5 MB of JSON.
 MAX_LOGPROB_ENTRIES = 65_536
 
@@ -33,6 +35,12 @@ def tenant_of(request: Request, user: str | None) -> str:
 def check_message_count(num_messages: int) -> None:
     if num_messages > MAX_CHAT_MESSAGES:
         raise ValueError(f"a chat has at most {MAX_CHAT_MESSAGES} messages, got {num_messages}")
+
+
+def check_choice_count(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise InvalidRequest(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} choices; "
+                             f"at most {MAX_CHOICES_PER_REQUEST} are allowed", param="prompt" if n == 1 else "n")
 
 
 def check_logprobs_budget(params: SamplingParams, prompts: list[list[int]], max_model_len: int, param: str) -> None:

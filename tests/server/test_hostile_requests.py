@@ -14,7 +14,7 @@ from server_helpers import RunningServer
 
 from conveyor.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from conveyor.server.metrics import MAX_TENANT_LABEL_CHARS, tenant_label
-from conveyor.server.request_limits import MAX_CHAT_MESSAGES, MAX_TENANT_CHARS
+from conveyor.server.request_limits import MAX_CHAT_MESSAGES, MAX_CHOICES_PER_REQUEST, MAX_TENANT_CHARS
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -34,6 +34,8 @@ def error_of(response: httpx.Response, status: int = 400) -> dict:
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids", "at most"),
     ({"user": "u" * (MAX_TENANT_CHARS + 1)}, "user", "tenant name"),
     ({"n": 16, "max_tokens": 200, "logprobs": 20}, "logprobs", "logprob entries"),
+    ({"prompt": ["hi"] * (MAX_CHOICES_PER_REQUEST + 1)}, "prompt", "choices"),
+    ({"prompt": ["hi"] * 100, "n": 100}, "n", "choices"),
 ])
 def test_completion_limits_are_400s(tiny_server: RunningServer, body: dict, param: str, words: str) -> None:
     error = error_of(post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body}))
