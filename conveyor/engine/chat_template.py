@@ -8,8 +8,9 @@ A template comes with the model file, so it is input like any other: a nested lo
 recursive macro would otherwise run for hours, and a doubling string fill the memory. Each render
 has a budget (RENDER_TIMEOUT_S of wall time, MAX_RENDER_OPS steps, max_chars of output and of any
 one value) that the sandbox's hooks spend: every loop iteration (each `for` is compiled with a
-counting filter around its iterable), call, filter, attribute and item lookup, and every `*`,
-`**` and `+`. Past the budget the render raises `ChatTemplateLimit`, a 400 as vLLM answers any
+counting filter around its iterable), call, filter, attribute and item lookup, and every `*`
+and `**`; sizes are checked on a call's arguments and result, a filter's, a namespace attribute
+set and each piece of output. Past the budget the render raises `ChatTemplateLimit`, a 400 as vLLM answers any
 template failure: the same messages would fail again, so the client must not retry them as it
 would a 5xx. A pure-Python loop cannot be stopped from outside its thread; this one stops itself.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -61,6 +63,7 @@ RENDER_TIMEOUT_S = 10.0
 MAX_RENDER_OPS = 20_000_000
 MAX_RENDER_CHARS = 16 * 1024 * 1024   # of the output and of any one string or list made on the way
 _CLOCK_EVERY_OPS = 1024               # ops between two looks at the clock
+_FORMAT_WIDTHS = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d*))?")
 _MAX_EXPONENT = 4096                  # `**` past it: huge integers take minutes in C, unstoppable
 
 
@@ -86,6 +89,12 @@ class _Budget:
         if time.monotonic() > self.deadline_s:
             raise ChatTemplateLimit(f"the chat template did not finish rendering these messages within "
                                     f"{RENDER_TIMEOUT_S:g} s; it was stopped")
+
+    def check_count(self, value: Any) -> None:
+        """An integer argument that could size a string (a width, a repeat count)."""
+        if isinstance(value, int) and abs(value) > self.max_chars:
+            raise ChatTemplateLimit(f"the chat template passed {value} as an argument; the limit is "
+                                    f"{self.max_chars}")
 
     def check_size(self, value: Any) -> None:
         if isinstance(value, (str, list, tuple, dict, bytes)) and len(value) > self.max_chars:
@@ -115,10 +124,8 @@ def _budgeted_filter(function: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         budget = _spend()
         if budget is not None:
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, int) and abs(value) > budget.max_chars:   # center(10**9), indent(10**9)
-                    raise ChatTemplateLimit(f"the chat template passed {value} to a filter; the limit is "
-                                            f"{budget.max_chars}")
+            for value in (*args, *kwargs.values()):   # center(10**9), indent(10**9)
+                budget.check_count(value)
         result = function(*args, **kwargs)
         if budget is not None:
             budget.check_size(result)
@@ -130,14 +137,15 @@ def _budgeted_filter(function: Callable[..., Any]) -> Callable[..., Any]:
 class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox, with every hook it offers spending the render's budget."""
 
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "%"})
     _COUNT_FILTER = "conveyor_counted"
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         budget = _spend()
-        if budget is not None:   # a macro handed a doubled string on each call
+        if budget is not None:   # a macro handed a doubled string on each call; 'x'.ljust(10**9)
             for value in (*args, *kwargs.values()):
                 budget.check_size(value)
+                budget.check_count(value)
         result = super().call(__context, __obj, *args, **kwargs)
         if budget is not None:
             budget.check_size(result)
@@ -157,6 +165,12 @@ class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
             if operator == "**" and isinstance(right, int) and abs(right) > _MAX_EXPONENT:
                 raise ChatTemplateLimit(f"the chat template raised a number to the power {right}; the limit is "
                                         f"{_MAX_EXPONENT}")
+            if operator == "%" and isinstance(left, str):   # '%1000000000s' % x, '%*s' % (10**9, x)
+                widths = [int(group) for groups in _FORMAT_WIDTHS.findall(left) for group in groups if group]
+                if "*" in left:
+                    widths += [a for a in (right if isinstance(right, tuple) else (right,)) if isinstance(a, int)]
+                for width in widths:
+                    budget.check_count(width)
             if operator == "*":   # check the size before a repeated string or list is made
                 for sequence, times in ((left, right), (right, left)):
                     if (isinstance(sequence, (str, list, tuple)) and isinstance(times, int)

@@ -60,8 +60,11 @@ def test_a_runaway_template_is_stopped_and_the_server_goes_on(runaway_server: Ru
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed"),
     ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "value"),
     ("{{ 'x' * 1000000000 }}", "repeated"),
-    ("{{ 'x' | center(1000000000) }}", "filter"),
+    ("{{ 'x' | center(1000000000) }}", "argument"),
     ("{{ 2 ** 100000000 }}", "power"),
+    ("{{ 'x'.ljust(1000000000) }}", "argument"),
+    ("{{ '%1000000000s' % 'x' }}", "argument"),
+    ("{{ '%*s' % (1000000000, 'x') }}", "argument"),
 ])
 def test_other_runaway_templates_stop_at_once(template: str, words: str) -> None:
     compiled = chat_template.compile_chat_template(template)
