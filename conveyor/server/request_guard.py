@@ -134,8 +134,10 @@ class RequestGuard:
                           scope, receive, send)
             return None
         data = bytes(body)
-        too_deep = (await asyncio.to_thread(nests_deeper_than, data) if len(data) > _THREAD_SCAN_BYTES
-                    else nests_deeper_than(data))
+        content_type = headers.get(b"content-type", b"application/json")   # FastAPI reads a body without one as JSON
+        is_json = b"json" in content_type.lower()
+        too_deep = is_json and (await asyncio.to_thread(nests_deeper_than, data) if len(data) > _THREAD_SCAN_BYTES
+                                else nests_deeper_than(data))
         if too_deep:
             await _refuse(InvalidRequest(f"the request body nests JSON arrays or objects more than "
                                          f"{MAX_JSON_DEPTH} levels deep"), scope, receive, send)
