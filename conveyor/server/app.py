@@ -23,11 +23,7 @@ from starlette.responses import JSONResponse, Response
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
 from conveyor.engine.core_watchdog import CoreWatchdog
-from conveyor.errors import (
-    ConveyorError,
-    InvalidRequest,
-    ModelNotFound,
-)
+from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
 from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
 from conveyor.server.live_view import add_dashboard
