@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 MODEL_PATHS = ("/v1/completions", "/v1/chat/completions")   # the routes that take a concurrency slot
 _THREAD_SCAN_BYTES = 256 * 1024   # bodies past this are scanned for nesting on a worker thread
+# No route reads the body of a GET (or HEAD, DELETE, OPTIONS); these need no key on /health, /docs
+# and /metrics, so their bodies are kept small, or clients without the key could hold megabytes each.
+_MAX_BODYLESS_BYTES = 64 * 1024
+_BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
@@ -107,13 +111,14 @@ class RequestGuard:
     async def _read_body(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
                          send: Send) -> bytearray | None:
         """The whole body, or None once the request was answered (too large, too slow, too deep, gone)."""
-        too_large = RequestTooLarge(f"the request body is larger than the server's limit of "
-                                    f"{self.max_body_bytes} bytes")
+        limit = self.max_body_bytes if scope["method"] in _BODY_METHODS else _MAX_BODYLESS_BYTES
+        too_large = RequestTooLarge(f"the request body is larger than the server's limit of {limit} bytes"
+                                    f"{'' if scope['method'] in _BODY_METHODS else ' for a ' + scope['method']}")
         declared = headers.get(b"content-length")
         if declared is not None and not declared.isdigit():
             await _refuse(InvalidRequest("invalid Content-Length header"), scope, receive, send)
             return None
-        if declared is not None and int(declared) > self.max_body_bytes:
+        if declared is not None and int(declared) > limit:
             await _refuse(too_large, scope, receive, send)
             return None
         body = bytearray()
@@ -124,7 +129,7 @@ class RequestGuard:
                     if message["type"] != "http.request":
                         return None  # the client left before sending its body
                     body += message.get("body", b"")
-                    if len(body) > self.max_body_bytes:
+                    if len(body) > limit:
                         await _refuse(too_large, scope, receive, send)
                         return None
                     if not message.get("more_body", False):

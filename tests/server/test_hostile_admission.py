@@ -47,6 +47,12 @@ def test_slow_bodies_without_a_key_take_no_slot(capped_server: RunningServer) ->
             sock.close()
 
 
+def test_a_get_body_without_a_key_is_kept_small(capped_server: RunningServer) -> None:
+    response = httpx.request("GET", f"{capped_server.base_url}/health", content=b"x" * (1024 * 1024), timeout=30)
+    assert response.status_code == 413, response.text
+    assert httpx.get(f"{capped_server.base_url}/health", timeout=30).status_code == 200
+
+
 def test_a_deeply_nested_body_is_a_400(capped_server: RunningServer) -> None:
     deep = "[" * 100_000 + "]" * 100_000
     response = httpx.post(f"{capped_server.base_url}/v1/completions", timeout=30,
