@@ -36,6 +36,11 @@ KQV v16i vu8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((co
 KQV v16i vi8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* acc + per lane the dot of its 4 unsigned code bytes with the 4 signed bytes at x */
 KQV v16i vdot(v16i acc, v16i codes, const int8_t *x) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(load_i32(x))); }
+KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) { return vdot(acc, codes, x); }   /* codes up to 255 */
+/* each byte (< 16) -> table[byte] */
+KQV v16i vlut(v16i idx, const uint8_t *table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), idx);
+}
 KQV v16f vf16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 KQV v16f vcvt(v16i a) { return _mm512_cvtepi32_ps(a); }
 KQV v16f vfset(float v) { return _mm512_set1_ps(v); }
@@ -88,6 +93,23 @@ KQV v16i vdot(v16i acc, v16i codes, const int8_t *x) {
     const __m256i xb = _mm256_set1_epi32(load_i32(x));
     return V2(dot8(acc.a, codes.a, xb), dot8(acc.b, codes.b, xb));
 }
+KQV __m256i dot8w(__m256i acc, __m256i codes, __m256i x) {
+#if KQV_ISA == 3
+    return dot8(acc, codes, x);
+#else   /* codes up to 255: their top bit apart, so no pair's sum passes int16 */
+    const __m256i top = _mm256_and_si256(codes, _mm256_set1_epi8((char)0x80)), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_maddubs_epi16(_mm256_xor_si256(codes, top), x), hi = _mm256_maddubs_epi16(top, x);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
+#endif
+}
+KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) {
+    const __m256i xb = _mm256_set1_epi32(load_i32(x));
+    return V2(dot8w(acc.a, codes.a, xb), dot8w(acc.b, codes.b, xb));
+}
+KQV v16i vlut(v16i idx, const uint8_t *table) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    return V2(_mm256_shuffle_epi8(t, idx.a), _mm256_shuffle_epi8(t, idx.b));
+}
 KQV v16f vf16(const uint8_t *p) {
     return F2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
 }
@@ -123,6 +145,8 @@ KQV v16i vdot(v16i acc, v16i c, const int8_t *x) {
     LANES(acc.i[l] += c.b[4 * l] * x[0] + c.b[4 * l + 1] * x[1] + c.b[4 * l + 2] * x[2] + c.b[4 * l + 3] * x[3])
     return acc;
 }
+KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) { return vdot(acc, codes, x); }
+KQV v16i vlut(v16i idx, const uint8_t *table) { for (int i = 0; i < 64; i++) idx.b[i] = table[idx.b[i] & 15]; return idx; }
 KQV v16f vf16(const uint8_t *p) { v16f r; uint16_t h[16]; memcpy(h, p, 32); LANES(r.f[l] = f16_to_f32(h[l])) return r; }
 KQV v16f vcvt(v16i x) { v16f r; LANES(r.f[l] = (float)x.i[l]) return r; }
 KQV v16f vfset(float v) { v16f r; LANES(r.f[l] = v) return r; }

@@ -156,11 +156,11 @@ static void linear_item(void *arg, int64_t item) {
         const uint8_t *wp = seg->w + p * quant_panel_bytes(fmt, K);
         quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
                          j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
-    } else if (is_kquant(fmt)) {
+    } else if (acts256(fmt)) {
         const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
         kq_panel_k(fmt, wp, K, j->k.qx + m0 * K, j->k.du + m0 * (K / 256), j->k.bs32 + m0 * (K / 32),
                    j->k.o16 + m0 * (K / 16), bias, y + m0 * j->ldy, j->ldy, nc, m1 - m0);
-    } else {   /* Q5_0: its unit is one 32-k block, so the per-32 activations serve (s16 stands in for o16) */
+    } else {   /* Q5_0, Q5_1, IQ4_NL: a unit is one 32-k block, the per-32 activations serve (s16 for o16) */
         const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
         kq_panel_k(fmt, wp, K, j->a.qx + m0 * K, j->a.dx + m0 * KB, j->a.sx + m0 * KB, j->a.s16 + m0 * KB, bias,
                    y + m0 * j->ldy, j->ldy, nc, m1 - m0);
@@ -180,7 +180,7 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
     const int64_t KB = K / QK, blocks = (M + MC - 1) / MC;
     linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, 0, 0, {0}, {0}, {0}};
     for (int64_t s = 0; s < L->num_segments; s++) {
-        if (is_kquant((int)L->seg[s].fmt)) job.has_k = 1;
+        if (acts256((int)L->seg[s].fmt)) job.has_k = 1;
         else job.has_other = 1;
     }
     const int64_t n_other = job.has_other ? M : 0, n_k = job.has_k ? M : 0;

@@ -1,14 +1,18 @@
-/* Matmul on weights kept in Q5_0, Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
+/* Matmul on weights kept in Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
  * output channels (see kquant.h), written once over kq_vec.h's 16-lane values.
  *
  * The K-quants' activations are quantized as llama.cpp's Q8_K: one scale per row and 256-k unit
  * (du = amax / 127), int8 codes, and the codes' sums per 32 k (for Q4_K / Q5_K's mins) and per 16 k
- * (for Q6_K's offset of 32, kept as 32 * sum); Q5_0's as quant.c's formats, per 32 k (its unit).
+ * (for Q6_K's and Q3_K's offsets, kept as 32 * sum); the 32-k formats' as quant.c's, per 32 k (their
+ * unit). IQ4's codes are its table's values + 128.
  * Within a unit everything is integer and exact:
  *
  *   Q4_K / Q5_K   si = sum_j sc_j dot_j,  sm = sum_j m_j bsum_j     y += du (d si - dmin sm)
  *   Q6_K          si = sum_s sc_s (dot_s - 32 hsum_s)               y += (d du) si
- *   Q5_0          si = dot - 16 bsum                                y += (d du) si
+ *   Q3_K          si = sum_s sc_s (dot_s - 4 hsum_s)                y += (d du) si
+ *   IQ4_XS        si = sum_j sc_j (dot_j - 128 bsum_j)              y += (d du) si
+ *   Q5_0, IQ4_NL  si = dot - z bsum (z = 16, 128)                   y += (d du) si
+ *   Q5_1          si = dot                                          y += du (d si + m bsum)
  *
  * so a unit costs two float steps per channel, and the same float operations on every path and
  * for every batch size: a row's result never depends on the other rows or the instruction set.
@@ -68,12 +72,25 @@ int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *
 
 /* ------------------------------------------------------------------ one unit, a few rows */
 
+/* IQ4's table with 128 added: unsigned codes for vpdpbusd, the 128 taken off with the activations' sums. */
+static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 /* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kquant.h's planes. */
 KQV void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high, const int g, v16i *lo, v16i *hi) {
+    if (fmt == FMT_Q3_K) {   /* 2 low bits, then bit 2 from a Q5-style plane */
+        const v16i v = vload(nib + 64 * (g / 2)), u = vload(high + 64 * (g / 4));
+        const int t = g % 2, w = g % 4;
+        *lo = vor(vand8(vshift(v, -4 * t), 0x03), vand8(vshift(u, 2 - 2 * w), 0x04));
+        *hi = vor(vand8(vshift(v, -4 * t - 2), 0x03), vand8(vshift(u, 1 - 2 * w), 0x04));
+        return;
+    }
     const v16i v = vload(nib + 64 * g);
     *lo = vand8(v, 0x0f);
     *hi = vand8(vshift(v, -4), 0x0f);
-    if (fmt == FMT_Q5_K || fmt == FMT_Q5_0) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
+    if (fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS) {
+        *lo = vlut(*lo, IQ4_CODES);
+        *hi = vlut(*hi, IQ4_CODES);
+    } else if (fmt == FMT_Q5_K || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
         const v16i u = vload(high + 64 * (g / 4));
         const int t = g % 4;
         *lo = vor(*lo, vand8(vshift(u, 4 - 2 * t), 0x10));
@@ -93,7 +110,9 @@ typedef struct {
     const int32_t *o16;     /* this unit's 16 values 32 * (sum of 16) (Q6_K) */
 } row_unit;
 
-static inline int unit_blocks(int fmt) { return fmt == FMT_Q5_0 ? 1 : 8; }
+static inline int unit_blocks(int fmt) { return unit_k(fmt) / QK; }
+/* Formats whose scales sit per 16-k half of a block (the dots of the halves kept apart). */
+static inline int halves(int fmt) { return fmt == FMT_Q6_K || fmt == FMT_Q3_K; }
 
 /* acc[r][0..32) += unit's contribution for rows r < mr. Codes come from the panel (decoded == NULL)
  * or from decode_unit's copy. */
@@ -102,12 +121,12 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
     for (int j = 0; j < unit_blocks(fmt); j++) {
-        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt), *high = nib + 512;
+        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt), *high = nib + low_bytes(fmt);
         if (!decoded)   /* an eighth of a unit per block, so headers are fetched ahead too */
             for (int64_t i = (j * unit_bytes(fmt) / unit_blocks(fmt)) & ~63; i < (j + 1) * unit_bytes(fmt) / unit_blocks(fmt);
                  i += 64)
                 __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
-        v16i da[ROWS][2], db[ROWS][2];   /* Q6_K: the block's two 16-k halves apart */
+        v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
@@ -119,9 +138,12 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             }
             for (int r = 0; r < mr; r++) {
                 const int8_t *xq = x[r].q + j * 32 + g * 4;
-                if (fmt == FMT_Q6_K && g >= 4) {
+                if (halves(fmt) && g >= 4) {
                     db[r][0] = vdot(db[r][0], lo, xq);
                     db[r][1] = vdot(db[r][1], hi, xq);
+                } else if (wide_codes(fmt)) {
+                    da[r][0] = vdotw(da[r][0], lo, xq);
+                    da[r][1] = vdotw(da[r][1], hi, xq);
                 } else {
                     da[r][0] = vdot(da[r][0], lo, xq);
                     da[r][1] = vdot(da[r][1], hi, xq);
@@ -129,12 +151,18 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             }
         }
         for (int h = 0; h < 2; h++) {
-            if (fmt == FMT_Q5_0) {
-                for (int r = 0; r < mr; r++) si[r][h] = vsub(da[r][h], vset(16 * x[r].bs32[0]));
-            } else if (fmt == FMT_Q6_K) {
+            if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_IQ4_NL) {   /* one block: its zero point */
+                const int32_t zero = fmt == FMT_Q5_0 ? 16 : fmt == FMT_IQ4_NL ? 128 : 0;
+                for (int r = 0; r < mr; r++) si[r][h] = vsub(da[r][h], vset(zero * x[r].bs32[0]));
+            } else if (fmt == FMT_IQ4_XS) {
+                const v16i sc = vi8(unit + 64 + j * 32 + h * 16);
+                for (int r = 0; r < mr; r++) si[r][h] = vadd(si[r][h], vmul(sc, vsub(da[r][h], vset(128 * x[r].bs32[j]))));
+            } else if (halves(fmt)) {   /* offsets 32 (Q6_K), 4 (Q3_K) times each half's sum */
                 const v16i sa = vi8(unit + 64 + (2 * j) * 32 + h * 16), sb = vi8(unit + 64 + (2 * j + 1) * 32 + h * 16);
+                const int sh = fmt == FMT_Q3_K ? 3 : 0;
                 for (int r = 0; r < mr; r++) {
-                    const v16i a = vsub(da[r][h], vset(x[r].o16[2 * j])), b = vsub(db[r][h], vset(x[r].o16[2 * j + 1]));
+                    const v16i a = vsub(da[r][h], vset(x[r].o16[2 * j] >> sh));
+                    const v16i b = vsub(db[r][h], vset(x[r].o16[2 * j + 1] >> sh));
                     si[r][h] = vadd(si[r][h], vadd(vmul(sa, a), vmul(sb, b)));
                 }
             } else {
@@ -148,7 +176,13 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
     }
     for (int h = 0; h < 2; h++) {
         const v16f d = vf16(unit + h * 32);
-        if (fmt == FMT_Q6_K || fmt == FMT_Q5_0) {
+        if (fmt == FMT_Q5_1) {   /* d q + m per weight: the min meets the block's sum */
+            const v16f m = vf16(unit + 64 + h * 32);
+            for (int r = 0; r < mr; r++) {
+                const v16f t = vfma(d, vcvt(si[r][h]), vfmul(m, vfset((float)x[r].bs32[0])));
+                vfstore(acc[r] + 16 * h, vfma(vfset(x[r].du), t, vfload(acc[r] + 16 * h)));
+            }
+        } else if (fmt != FMT_Q4_K && fmt != FMT_Q5_K) {
             for (int r = 0; r < mr; r++)
                 vfstore(acc[r] + 16 * h, vfma(vfmul(d, vfset(x[r].du)), vcvt(si[r][h]), vfload(acc[r] + 16 * h)));
         } else {
@@ -168,7 +202,7 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
         const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt);
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
-            group_codes(fmt, nib, nib + 512, g, &lo, &hi);
+            group_codes(fmt, nib, nib + low_bytes(fmt), g, &lo, &hi);
             vstore(out + (j * 8 + g) * 128, lo);
             vstore(out + (j * 8 + g) * 128 + 64, hi);
         }
@@ -189,7 +223,7 @@ KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded
     for (int r = 0; r < mr; r++) {
         const int64_t row = r0 + r;
         x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
-                          fmt == FMT_Q6_K ? a->o16 + row * (K / 16) + u * 16 : a->o16};
+                          halves(fmt) ? a->o16 + row * (K / 16) + u * 16 : a->o16};
     }
     switch (mr) {   /* a constant row count per instance keeps the accumulators in registers */
         case 1: unit_rows(fmt, 1, unit, decoded, x, acc); break;
@@ -225,6 +259,10 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     const kacts_view a = {qx, du, bs32, o16, K};
     switch (fmt) {
         case FMT_Q5_0: panel_k(FMT_Q5_0, wp, &a, M, acc); break;
+        case FMT_Q5_1: panel_k(FMT_Q5_1, wp, &a, M, acc); break;
+        case FMT_IQ4_NL: panel_k(FMT_IQ4_NL, wp, &a, M, acc); break;
+        case FMT_IQ4_XS: panel_k(FMT_IQ4_XS, wp, &a, M, acc); break;
+        case FMT_Q3_K: panel_k(FMT_Q3_K, wp, &a, M, acc); break;
         case FMT_Q4_K: panel_k(FMT_Q4_K, wp, &a, M, acc); break;
         case FMT_Q5_K: panel_k(FMT_Q5_K, wp, &a, M, acc); break;
         default: panel_k(FMT_Q6_K, wp, &a, M, acc); break;

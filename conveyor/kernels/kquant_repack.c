@@ -32,13 +32,24 @@ static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
     } else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
         const uint8_t *qs = b + (fmt == FMT_Q4_0 ? 2 : 4);
         for (int e = 0; e < 16; e++) { q[e] = qs[e] & 15; q[e + 16] = qs[e] >> 4; }
-    } else if (fmt == FMT_Q5_0) {
+    } else if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
+        const int at = fmt == FMT_Q5_0 ? 2 : 4;   /* qh after d (and m) */
         uint32_t qh;
-        memcpy(&qh, b + 2, 4);
+        memcpy(&qh, b + at, 4);
         for (int e = 0; e < 16; e++) {
-            q[e] = (uint8_t)((b[6 + e] & 15) | ((qh >> e) & 1) << 4);
-            q[e + 16] = (uint8_t)((b[6 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+            q[e] = (uint8_t)((b[at + 4 + e] & 15) | ((qh >> e) & 1) << 4);
+            q[e + 16] = (uint8_t)((b[at + 4 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
         }
+    } else if (fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS) {   /* table indices, 16 bytes per 32 k */
+        const uint8_t *qs = b + (fmt == FMT_IQ4_NL ? 2 : 8);
+        for (int j = 0; j < unit_k(fmt) / 32; j++)
+            for (int e = 0; e < 16; e++) { q[32 * j + e] = qs[16 * j + e] & 15; q[32 * j + e + 16] = qs[16 * j + e] >> 4; }
+    } else if (fmt == FMT_Q3_K) {   /* 2 low bits from qs, bit 2 from hmask: code = value + 4 */
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++)
+                    q[n * 128 + j * 32 + l] = (uint8_t)(((b[32 + n * 32 + l] >> (2 * j)) & 3) |
+                                                        ((b[l] >> (n * 4 + j)) & 1) << 2);
     } else if (fmt == FMT_Q6_K) {
         for (int half = 0; half < 2; half++)
             for (int l = 0; l < 32; l++) {
@@ -57,6 +68,41 @@ static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
                 if (fmt == FMT_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
                 q[j * 32 + l] = (uint8_t)v;
             }
+    }
+}
+
+/* Q3_K's sixteen 6-bit scales (value - 32) from its 12 packed bytes. */
+static void scales_q3k(const uint8_t *s, int8_t out[16]) {
+    for (int i = 0; i < 16; i++) {
+        const int low = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+        const int high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        out[i] = (int8_t)((low | high << 4) - 32);
+    }
+}
+
+/* A unit's header for channel c from its file block b (see kquant.h). */
+static void unit_header(int fmt, int c, const uint8_t *b, uint8_t *hdr) {
+    if (fmt == FMT_Q6_K) {
+        memcpy(hdr + 2 * c, b + 208, 2);
+        for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = b[192 + s];
+    } else if (fmt == FMT_Q3_K) {
+        int8_t sc[16];
+        memcpy(hdr + 2 * c, b + 108, 2);
+        scales_q3k(b + 96, sc);
+        for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = (uint8_t)sc[s];
+    } else if (fmt == FMT_IQ4_XS) {
+        uint16_t high;
+        memcpy(hdr + 2 * c, b, 2);
+        memcpy(&high, b + 2, 2);
+        for (int j = 0; j < 8; j++)
+            hdr[64 + j * 32 + c] = (uint8_t)(int8_t)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4) - 32);
+    } else {
+        memcpy(hdr + 2 * c, b, 2);
+        if (fmt == FMT_Q5_1) memcpy(hdr + 64 + 2 * c, b + 2, 2);
+        if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+            memcpy(hdr + 64 + 2 * c, b + 2, 2);
+            for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, hdr + 128 + s * 32 + c, hdr + 384 + s * 32 + c);
+        }
     }
 }
 
@@ -100,33 +146,25 @@ static void repack_panel(void *arg, int64_t p) {
             uint8_t *unit = panel + u * ub, *hdr = unit;
             file_codes(fmt, b, q);
             if (legacy) { repack_legacy_block(fmt, c, b, q, unit); continue; }
-            if (fmt == FMT_Q6_K) {
-                memcpy(hdr + 2 * c, b + 208, 2);
-                for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = b[192 + s];
-            } else {
-                memcpy(hdr + 2 * c, b, 2);
-                if (fmt != FMT_Q5_0) {
-                    memcpy(hdr + 64 + 2 * c, b + 2, 2);
-                    for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, hdr + 128 + s * 32 + c, hdr + 384 + s * 32 + c);
-                }
-            }
+            unit_header(fmt, c, b, hdr);
+            const int low_bits = fmt == FMT_Q3_K ? 2 : 4;
             for (int64_t kb = 0; kb < blocks; kb++) {
-                uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + 512;
+                uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + low_bytes(fmt);
                 const uint8_t *qb = q + kb * QK;
                 const int shift = c < 16 ? 0 : 4;
                 for (int g = 0; g < 8; g++) {   /* a channel's 4 k of a group are 4 adjacent bytes */
                     uint32_t lo = 0, hi = 0, word;
                     for (int i = 0; i < 4; i++) {
-                        lo |= (uint32_t)(qb[g * 4 + i] & 15) << (8 * i);
-                        hi |= (uint32_t)(qb[g * 4 + i] >> 4) << (8 * i);
+                        lo |= (uint32_t)(qb[g * 4 + i] & ((1 << low_bits) - 1)) << (8 * i);
+                        hi |= (uint32_t)(qb[g * 4 + i] >> low_bits) << (8 * i);
                     }
-                    uint8_t *dst = nib + g * 64 + (c % 16) * 4;
+                    uint8_t *dst = low_bits == 2 ? nib + (g / 2) * 64 + (c % 16) * 4 : nib + g * 64 + (c % 16) * 4;
                     memcpy(&word, dst, 4);
-                    word |= lo << shift;
+                    word |= lo << (low_bits == 2 ? 4 * (g % 2) + 2 * (c >= 16) : shift);
                     memcpy(dst, &word, 4);
-                    if (fmt == FMT_Q4_K) continue;
+                    if (high_bytes(fmt) == 0) continue;
                     int hs;   /* where this channel's high bits of group g sit in its plane byte */
-                    if (fmt == FMT_Q5_0 || fmt == FMT_Q5_K) { dst = high + (g / 4) * 64 + (c % 16) * 4; hs = 2 * (g % 4) + (c >= 16); }
+                    if (fmt != FMT_Q6_K) { dst = high + (g / 4) * 64 + (c % 16) * 4; hs = 2 * (g % 4) + (c >= 16); }
                     else { dst = high + (g / 2) * 64 + (c % 16) * 4; hs = 4 * (g % 2) + 2 * (c >= 16); }
                     memcpy(&word, dst, 4);
                     word |= hi << hs;

@@ -20,11 +20,12 @@ from conveyor.kernels.build import KernelLibrary
 
 QK = 32      # weights per block along K
 PANEL = 32   # output channels per panel
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_1": 7, "iq4_nl": 8,
+           "iq4_xs": 9, "q3_k": 10}
 LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant_k.c's
-K_QUANTS = ("q4_k", "q5_k", "q6_k")          # activations quantized per 256 k (llama.cpp's Q8_K)
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k")   # activations quantized per 256 k (llama.cpp's Q8_K)
 # Weights per file block along K, for the formats repacked in C.
-BLOCK_WEIGHTS = {"q5_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+BLOCK_WEIGHTS = {"q5_0": 32, "q5_1": 32, "iq4_nl": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256}
 ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
 CODE_BYTES = {"q8_0": 1024, "q4_0": 512, "q4_1": 512}
 BLOCK_BYTES = {"q8_0": 1088, "q4_0": 576, "q4_1": 640}   # per block of 32 channels x 32 k

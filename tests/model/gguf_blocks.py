@@ -10,10 +10,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-TYPES = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-         "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
-         "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "q4_1": gguf.GGMLQuantizationType.Q4_1}
+TYPES = {name: getattr(gguf.GGMLQuantizationType, name.upper())
+         for name in ("q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k", "q8_0", "q4_0", "q4_1")}
 
 
 def _f16(values: np.ndarray) -> np.ndarray:
@@ -23,12 +21,24 @@ def _f16(values: np.ndarray) -> np.ndarray:
 def random_blocks(fmt: str, n: int, k: int, seed: int, scale: float = 1.0) -> np.ndarray:
     """GGUF blocks (n, bytes per row) of an (n, k) tensor in `fmt`."""
     rng = np.random.default_rng(seed)
-    if fmt in ("q5_0", "q8_0", "q4_0", "q4_1"):
+    if fmt in ("q5_0", "q5_1", "q8_0", "q4_0", "q4_1"):
         w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
         w[:, :32] *= 10                                                   # an outlier block
         return gguf.quants.quantize(w, TYPES[fmt])
+    if fmt == "iq4_nl":                                                   # d, then 16 bytes of table indices
+        raw = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
+        raw[:, :, 0:2] = _f16(rng.uniform(0.5, 1.5, size=(n, k // 32)) * scale / 127)
+        return raw.reshape(n, -1)
     nb = k // 256
     d = rng.uniform(0.5, 1.5, size=(n, nb)) * scale
+    if fmt == "iq4_xs":                                                   # d, 6-bit scales (high, low), indices
+        raw = rng.integers(0, 256, size=(n, nb, 136), dtype=np.uint8)
+        raw[:, :, 0:2] = _f16(d / (127 * 32))
+        return raw.reshape(n, -1)
+    if fmt == "q3_k":                                                     # hmask, 2-bit codes, 6-bit scales, d
+        raw = rng.integers(0, 256, size=(n, nb, 110), dtype=np.uint8)
+        raw[:, :, 108:110] = _f16(d / (4 * 32))
+        return raw.reshape(n, -1)
     if fmt == "q6_k":
         raw = np.empty((n, nb, 210), np.uint8)
         raw[:, :, :192] = rng.integers(0, 256, size=(n, nb, 192))         # 6-bit codes

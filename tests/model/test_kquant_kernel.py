@@ -29,11 +29,11 @@ def _reference(library, x: torch.Tensor, raw: np.ndarray, fmt: str, bias: torch.
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("fmt", ["q5_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k"])
 @pytest.mark.parametrize("m,n,k", [(1, 96, 256), (2, 33, 512), (7, 100, 256), (64, 64, 768), (3, 1, 256)])
 def test_kquant_gemm_matches_gguf_dequantization(variant: str, fmt: str, m: int, n: int, k: int) -> None:
     library = _library(variant)
-    kk = k if fmt != "q5_0" else k - 32 * (m % 3)                   # Q5_0 also at K not a multiple of 256
+    kk = k if fmt not in ("q5_0", "q5_1", "iq4_nl") else k - 32 * (m % 3)   # 32-k formats at other K too
     raw = random_blocks(fmt, n, kk, seed=m * 1000 + n)
     w = quant.repack(library, fmt, raw, n, kk)
     gen = torch.Generator().manual_seed(n)
@@ -51,7 +51,7 @@ def test_kquant_gemm_matches_gguf_dequantization(variant: str, fmt: str, m: int,
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mixed_formats_in_one_linear_equal_each_alone(variant: str) -> None:
     library = _library(variant)
-    k, parts = 512, [("q5_0", 64), ("q6_k", 40), ("q8_0", 33), ("q4_k", 32)]
+    k, parts = 512, [("q5_0", 64), ("q6_k", 40), ("q8_0", 33), ("iq4_xs", 32)]
     weights = [quant.repack(library, fmt, random_blocks(fmt, n, k, seed=i), n, k) for i, (fmt, n) in enumerate(parts)]
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(sum(n for _, n in parts), generator=torch.Generator().manual_seed(4))
@@ -63,7 +63,7 @@ def test_mixed_formats_in_one_linear_equal_each_alone(variant: str) -> None:
     assert torch.equal(y, torch.cat(alone, dim=1))
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q8_0", "q3_k", "iq4_nl"])
 def test_repack_takes_a_row_order(fmt: str) -> None:
     library = _library("native")
     n, k = 70, 256

@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not VNNI_BUILDS, reason="this CPU has no VNNI (AVX-VNNI or AVX512-VNNI with VL): "
                                                "nothing to compare the AVX2 build with"),
 ]
-FORMATS = ["q5_0", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "q4_1"]
+FORMATS = ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k", "q8_0", "q4_0", "q4_1"]
 ROWS = [1, 2, 3, 5, 17, 64, 65]
 
 
