@@ -34,7 +34,7 @@ from conveyor.errors import (
     ServerBusy,
     Unauthorized,
 )
-from conveyor.server.batch_api import BatchRunner, add_batch_routes
+from conveyor.server.batch_api import BatchRunner, add_batch_routes, is_batch_request
 from conveyor.server.batch_store import BatchStore
 from conveyor.server.live_view import EVENTS_PATH, add_dashboard
 from conveyor.server.metrics import ServerMetrics
@@ -104,7 +104,7 @@ class RequestGuard:
 
     The cap counts requests in progress, streams until their last event included; /health,
     /metrics and the live view's stream are never refused by it, so probes, scrapers and operators
-    still see an overloaded server.
+    still see an overloaded server; nor are a batch job's lines, which yield to interactive requests.
 
     The body is read here, up to the limit, whatever Content-Length says (it may be absent or
     wrong), and replayed to the app; after the replay the app's receive reaches the server again,
@@ -122,7 +122,7 @@ class RequestGuard:
         self.body_timeout_s = server.body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
+        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS or is_batch_request(scope):
             await self._guarded(scope, receive, send)
             return
         if self.max_concurrency is not None and self.num_in_progress >= self.max_concurrency:

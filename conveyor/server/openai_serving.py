@@ -24,6 +24,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
@@ -148,9 +149,10 @@ class OpenAIServing:
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs, param)
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               tenant: str) -> PromptGroup:
+               request: Request, user: str | None) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
-        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant)
+        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority,
+                           tenant_of(request, user), is_batch_request(request.scope))
 
     async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
         async def collect() -> list[_Choice]:
@@ -189,7 +191,7 @@ class OpenAIServing:
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
-        group = self._start("cmpl", prompts, params, body.priority, tenant_of(request, body.user))
+        group = self._start("cmpl", prompts, params, body.priority, request, body.user)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
@@ -270,7 +272,7 @@ class OpenAIServing:
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, tenant_of(request, body.user))
+            group = self._start("chatcmpl", prompts, params, body.priority, request, body.user)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
