@@ -23,8 +23,10 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
+from conveyor.config import GrammarLimits
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
+from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
@@ -97,8 +99,10 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         self.engine = engine
+        self.grammar_gate = GrammarGate(engine.grammars, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_prompt_chars = max_prompt_chars or engine.info.max_model_len * self.tokenizer.max_token_chars
@@ -143,10 +147,17 @@ class OpenAIServing:
         self.check_prompt_chars(len(text), "messages")
         return text
 
-    async def compile_grammar(self, params: SamplingParams, param: str) -> None:
-        """Compile the request's grammar off the event loop (cached by schema); 400 naming why it does not compile."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs, param)
+    async def compile_grammar(self, params: SamplingParams, param: str, request: Request) -> bool:
+        """Compile the request's grammar off the event loop, bounded (grammar_gate.py); 400 naming why it
+        does not compile. False when the client left meanwhile."""
+        if params.structured_outputs is None:
+            return True
+        try:
+            await until_disconnected(request, self.grammar_gate.admit(params.structured_outputs, param))
+        except ClientDisconnected:
+            logger.info("the client left while its grammar compiled")
+            return False
+        return True
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                request: Request, user: str | None) -> PromptGroup:
@@ -187,7 +198,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
         params = body.sampling_params()
-        await self.compile_grammar(params, body.constraint_field)
+        if not await self.compile_grammar(params, body.constraint_field, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         texts = body.prompts()
         self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
         prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
@@ -268,7 +280,8 @@ class OpenAIServing:
         params = body.sampling_params()
         if body.tools:
             await asyncio.to_thread(check_tool_schemas, body.tools)
-        await self.compile_grammar(params, body.constraint_field)
+        if not await self.compile_grammar(params, body.constraint_field, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         try:

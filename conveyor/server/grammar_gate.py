@@ -1,0 +1,167 @@
+"""The server's admission of structured-output grammars: bounded in size, time and threads, cached by spec.
+
+A grammar is checked against the size limits before any compiling (a 400 naming the limit), then
+compiled on this gate's own few threads, so compiles can never take the worker threads other
+requests need (tokenizing a long prompt). A compile still running after the time limit is a 400
+and its spec is remembered as refused; a compile xgrammar cannot stop runs on to its end on its
+thread, but no request waits for it, and the same spec waiting or arriving meanwhile shares it
+rather than starting another. A client that leaves stops waiting; a compile nobody waits for any
+more is cancelled if it has not started. Verdicts (compiles, or why not) are kept in a bounded LRU,
+so a repeated spec costs a dictionary lookup; the compiled grammars themselves stay in xgrammar's
+own cache, bounded in bytes, which the engine core's compile reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from conveyor.config import GrammarLimits
+from conveyor.engine.structured_output import GrammarCompiler, can_start
+from conveyor.errors import InvalidRequest, ServerBusy
+from conveyor.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class _DaemonPool:
+    """A few daemon threads running submitted calls. Unlike ThreadPoolExecutor's threads, which the
+    interpreter joins at exit, a compile that runs for minutes never holds up the server's exit."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._num_threads, self._threads = num_threads, []
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._work, name=f"conveyor-grammar-admit-{i}", daemon=True)
+                             for i in range(self._num_threads)]
+            for thread in self._threads:
+                thread.start()
+        future: Future[Any] = Future()
+        self._calls.put((future, call))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, call = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue   # cancelled while it waited
+            try:
+                future.set_result(call())
+            except BaseException as exc:   # handed to whoever awaits the future
+                future.set_exception(exc)
+
+
+class GrammarGate:
+    def __init__(self, compiler: GrammarCompiler, limits: GrammarLimits) -> None:
+        self.compiler, self.limits = compiler, limits
+        self._pool = _DaemonPool(limits.max_concurrent_compiles)
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()   # spec key -> refusal, or None: compiles
+        self._running: dict[str, asyncio.Future[str | None]] = {}
+        self._waiters: dict[str, int] = {}
+        self._started: set[str] = set()   # running keys whose compile has begun on a thread
+
+    async def admit(self, spec: StructuredOutputsParams, param: str) -> None:
+        """Return once `spec` compiles (and its grammar lets the model write something); else raise."""
+        kind = spec.key.split(":", 1)[0]
+        check_size(spec, self.limits, param)
+        key = spec.key
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            return _raise_refusal(self._verdicts[key], param)
+        future = self._running.get(key)
+        if future is None:
+            future = self._running[key] = asyncio.wrap_future(self._pool.submit(lambda: self._compile(spec, key)))
+            future.add_done_callback(lambda done: self._settle(key, done))
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            refusal = await asyncio.wait_for(asyncio.shield(future), self.limits.timeout_s)
+        except TimeoutError:
+            if key not in self._started:
+                raise ServerBusy(f"every grammar compiler thread is busy; the {kind} constraint did not start "
+                                 f"compiling within {self.limits.timeout_s:g} s, retry later") from None
+            self._remember(key, f"the {kind} constraint did not compile within {self.limits.timeout_s:g} s, this "
+                                f"server's limit (--grammar-timeout); simplify it")
+            refusal = self._verdicts[key]
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
+                if not future.done() and key not in self._started:
+                    future.cancel()   # nobody waits for it and no thread has begun it
+        _raise_refusal(refusal, param)
+
+    def _compile(self, spec: StructuredOutputsParams, key: str) -> str | None:
+        """On a gate thread: None if the grammar compiles and can start, else why not."""
+        self._started.add(key)
+        try:
+            compiled = self.compiler.compile(spec)
+        except InvalidRequest as exc:
+            return exc.message
+        if not can_start(compiled, self.compiler.vocab_size):
+            kind = key.split(":", 1)[0]
+            return f"the {kind} constraint admits no text this model's tokens can write"
+        return None
+
+    def _settle(self, key: str, future: asyncio.Future[str | None]) -> None:
+        self._running.pop(key, None)
+        self._started.discard(key)
+        if not future.cancelled() and future.exception() is None and key not in self._verdicts:
+            self._remember(key, future.result())
+        elif not future.cancelled() and future.exception() is not None:
+            logger.error("compiling a grammar failed", exc_info=future.exception())
+
+    def _remember(self, key: str, refusal: str | None) -> None:
+        self._verdicts[key] = refusal
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > self.limits.cache_size:
+            self._verdicts.popitem(last=False)
+
+
+def _raise_refusal(refusal: str | None, param: str) -> None:
+    if refusal is not None:
+        raise InvalidRequest(refusal, param=param)
+
+
+def check_size(spec: StructuredOutputsParams, limits: GrammarLimits, param: str) -> None:
+    """InvalidRequest naming the limit when `spec` is bigger than this server compiles."""
+    kind = spec.key.split(":", 1)[0]
+    if spec.regex is not None and len(spec.regex) > limits.max_regex_chars:
+        raise InvalidRequest(f"the regex has {len(spec.regex)} characters; this server compiles at most "
+                             f"{limits.max_regex_chars} (--max-regex-chars)", param=param)
+    num_bytes = len(spec.key.encode("utf-8", errors="replace"))
+    if num_bytes > limits.max_bytes:
+        raise InvalidRequest(f"the {kind} constraint is {num_bytes} bytes; this server compiles at most "
+                             f"{limits.max_bytes} (--max-grammar-bytes)", param=param)
+    num_choices = len(spec.choice) if spec.choice is not None else _num_schema_choices(spec.json)
+    if num_choices > limits.max_choices:
+        raise InvalidRequest(f"the {kind} constraint lists {num_choices} choices (enum and const values); this "
+                             f"server compiles at most {limits.max_choices} (--max-grammar-choices)", param=param)
+
+
+def _num_schema_choices(schema: Any) -> int:
+    """enum values and consts anywhere in a JSON schema (a dict or its text), counted without recursion."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):
+            return 0   # the compiler names what is wrong with it
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("enum"), list):
+                count += len(node["enum"])
+            count += "const" in node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
