@@ -64,6 +64,14 @@ class GrammarCompiler:
         if self._compiler is None:
             self._make_tokenizer = make_tokenizer
 
+    @property
+    def is_built(self) -> bool:
+        return self._compiler is not None
+
+    def build(self) -> None:
+        """Build xgrammar's compiler now (seconds: it indexes the whole vocabulary) rather than in a first compile."""
+        self._get()
+
     def _get(self) -> Any:
         with self._lock:
             if self._compiler is None:

@@ -77,6 +77,8 @@ class GrammarGate:
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             return _raise_refusal(self._verdicts[key], param)
+        if not self.compiler.is_built:   # once per model, and not the request's to pay against its limit
+            await asyncio.wrap_future(self._pool.submit(self.compiler.build))
         future = self._running.get(key)
         if future is None:
             future = self._running[key] = asyncio.wrap_future(self._pool.submit(lambda: self._compile(spec, key)))
