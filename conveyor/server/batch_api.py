@@ -5,9 +5,10 @@ in the ASGI scope as batch work (BATCH_SCOPE_KEY, which no HTTP client can set):
 BATCH_PRIORITY, after every interactive request, which preempts them when the batch is full, and
 they count toward none of the interactive limits (--max-concurrency, the waiting queue, the
 per-tenant cap). A line's result is committed to the BatchStore as it finishes, so a restarted
-server (same --state-dir) resumes its batches with the lines still pending. A line the server could
-not take for now (429, 503: full or shutting down) stays pending and is retried. A batch whose
-results cannot be stored (a full disk) is marked failed with the reason, and the runner goes on.
+server (same --state-dir) resumes its batches with the lines still pending. No line starts while
+interactive requests wait for a batch slot. A line the server could not take for now (429, 503:
+full or shutting down) stays pending and is retried. A batch whose results cannot be stored (a
+full disk) is marked failed with the reason, and the runner goes on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _TENANT_HEADER = "x-tenant"
 _RETRY_S = 1.0                  # after a 429 / 503, before the line is tried again
 _ERROR_RETRY_S = 1.0            # after the store itself failed, before the runner looks again
 _RETRIED = (429, 503)
+_YIELD_S = 0.05                 # how often a line waiting for interactive requests to be served looks again
 
 
 def is_batch_request(scope: Scope) -> bool:
@@ -124,7 +126,11 @@ class BatchRunner:
                     self.store.batch(batch_id)["request_counts"])   # type: ignore[index]
 
     async def _run_line(self, client: Any, batch_id: str, line: PendingLine, headers: dict[str, str]) -> None:
+        engine = self.app.state.engine
         while self.store.status(batch_id) == "in_progress":
+            if engine.num_would_wait(0) > 0:   # interactive requests wait for a slot: no new line now
+                await asyncio.sleep(_YIELD_S)
+                continue
             body = {**line.body, "priority": BATCH_PRIORITY}
             response = await client.post(line.url, json=body, headers=headers)
             if response.status_code in _RETRIED:
