@@ -27,6 +27,8 @@ from conveyor.config import GrammarLimits
 from conveyor.engine.structured_output import GrammarCompiler, can_start
 from conveyor.errors import InvalidRequest, ServerBusy
 from conveyor.sampling_params import StructuredOutputsParams
+from conveyor.server.chat_schemas import ToolDefinition
+from conveyor.server.chat_tools import check_tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,21 @@ class GrammarGate:
                     future.cancel()   # nobody waits for it and no thread has begun it
         _raise_refusal(refusal, param)
 
+    async def check_tools(self, tools: list[ToolDefinition] | None) -> None:
+        """Refuse tools whose parameter schemas are over the size limits, or that take past the time
+        limit to check (chat_tools.check_tool_schemas, on this gate's threads)."""
+        if not tools:
+            return
+        for i, tool in enumerate(tools):
+            if tool.function.parameters is not None:
+                _check_schema(tool.function.parameters, self.limits, f"tools[{i}].function.parameters", "tool")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._pool.submit(lambda: check_tool_schemas(tools))),
+                                   self.limits.timeout_s)
+        except TimeoutError:
+            raise InvalidRequest(f"the tools' parameter schemas could not be checked within {self.limits.timeout_s:g} "
+                                 f"s, this server's limit (--grammar-timeout); simplify them", param="tools") from None
+
     def _compile(self, spec: StructuredOutputsParams, key: str) -> str | None:
         """On a gate thread: None if the grammar compiles and can start, else why not."""
         self._started.add(key)
@@ -139,11 +156,29 @@ def check_size(spec: StructuredOutputsParams, limits: GrammarLimits, param: str)
     if spec.regex is not None and len(spec.regex) > limits.max_regex_chars:
         raise InvalidRequest(f"the regex has {len(spec.regex)} characters; this server compiles at most "
                              f"{limits.max_regex_chars} (--max-regex-chars)", param=param)
-    num_bytes = len(spec.key.encode("utf-8", errors="replace"))
+    if spec.json is not None:
+        return _check_schema(spec.json, limits, param, kind)
+    _check_bytes(len(spec.key.encode("utf-8", errors="replace")), limits, param, kind)
+    if spec.choice is not None:
+        _check_choices(len(spec.choice), limits, param, kind)
+
+
+def _check_schema(schema: str | dict[str, Any], limits: GrammarLimits, param: str, kind: str) -> None:
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+    except RecursionError:
+        raise InvalidRequest(f"the {kind} constraint is nested too deeply", param=param) from None
+    _check_bytes(len(text.encode("utf-8", errors="replace")), limits, param, kind)
+    _check_choices(_num_schema_choices(schema), limits, param, kind)
+
+
+def _check_bytes(num_bytes: int, limits: GrammarLimits, param: str, kind: str) -> None:
     if num_bytes > limits.max_bytes:
         raise InvalidRequest(f"the {kind} constraint is {num_bytes} bytes; this server compiles at most "
                              f"{limits.max_bytes} (--max-grammar-bytes)", param=param)
-    num_choices = len(spec.choice) if spec.choice is not None else _num_schema_choices(spec.json)
+
+
+def _check_choices(num_choices: int, limits: GrammarLimits, param: str, kind: str) -> None:
     if num_choices > limits.max_choices:
         raise InvalidRequest(f"the {kind} constraint lists {num_choices} choices (enum and const values); this "
                              f"server compiles at most {limits.max_choices} (--max-grammar-choices)", param=param)

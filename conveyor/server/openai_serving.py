@@ -49,7 +49,7 @@ from conveyor.server.responses import (
     TopLogprob,
     UsageInfo,
 )
-from conveyor.server.chat_tools import check_tool_schemas, template_input
+from conveyor.server.chat_tools import template_input
 from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 from conveyor.server.streaming import (
     DONE_EVENT,
@@ -279,7 +279,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = body.sampling_params()
         if body.tools:
-            await asyncio.to_thread(check_tool_schemas, body.tools)
+            await self.grammar_gate.check_tools(body.tools)
         if not await self.compile_grammar(params, body.constraint_field, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)

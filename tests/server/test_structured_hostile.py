@@ -90,6 +90,8 @@ def test_constraints_past_the_size_limits_are_refused_at_once(server: RunningSer
         ("chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
             "name": "pick", "schema": {"enum": list(range(1001))}}}), "--max-grammar-choices"),
         ("completions", completion(guided_regex="a" * 5000), "--max-regex-chars"),
+        ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"x": {"enum": list(range(5000))}}}}}]), "--max-grammar-choices"),
     ]
     for path, body, flag in cases:
         started = time.monotonic()
