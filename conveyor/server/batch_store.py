@@ -111,8 +111,9 @@ class BatchStore:
 
     def add_file(self, filename: str, purpose: str, content: bytes, tenant: str = "") -> dict[str, Any]:
         file_id = f"file-{uuid.uuid4().hex}"
-        self._write([("INSERT INTO files (id, purpose, filename, created_at, content, tenant) VALUES (?, ?, ?, ?, ?, ?)",
-                      (file_id, purpose, filename, int(time.time()), content, tenant))], "the file")
+        self._write([("INSERT INTO files (id, purpose, filename, created_at, content, tenant) "
+                      "VALUES (?, ?, ?, ?, ?, ?)", (file_id, purpose, filename, int(time.time()), content, tenant))],
+                    "the file")
         return self.file(file_id)   # type: ignore[return-value]
 
     def file(self, file_id: str, tenant: str | None = None) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -69,7 +70,7 @@ class GrammarGate:
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()   # spec key -> refusal, or None: compiles
         self._running: dict[str, asyncio.Future[str | None]] = {}
         self._waiters: dict[str, int] = {}
-        self._started: set[str] = set()   # running keys whose compile has begun on a thread
+        self._started: dict[str, float] = {}   # running key -> when a thread began its compile (monotonic)
 
     async def admit(self, spec: StructuredOutputsParams, param: str) -> None:
         """Return once `spec` compiles (and its grammar lets the model write something); else raise."""
@@ -87,14 +88,7 @@ class GrammarGate:
             future.add_done_callback(lambda done: self._settle(key, done))
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
-            refusal = await asyncio.wait_for(asyncio.shield(future), self.limits.timeout_s)
-        except TimeoutError:
-            if key not in self._started:
-                raise ServerBusy(f"every grammar compiler thread is busy; the {kind} constraint did not start "
-                                 f"compiling within {self.limits.timeout_s:g} s, retry later") from None
-            self._remember(key, f"the {kind} constraint did not compile within {self.limits.timeout_s:g} s, this "
-                                f"server's limit (--grammar-timeout); simplify it")
-            refusal = self._verdicts[key]
+            refusal = await self._outcome(key, kind, future)
         finally:
             self._waiters[key] -= 1
             if not self._waiters[key]:
@@ -102,6 +96,28 @@ class GrammarGate:
                 if not future.done() and key not in self._started:
                     future.cancel()   # nobody waits for it and no thread has begun it
         _raise_refusal(refusal, param)
+
+    async def _outcome(self, key: str, kind: str, future: asyncio.Future[str | None]) -> str | None:
+        """The compile's verdict. The time limit runs from when a thread began it; waiting for a thread
+        is bounded by the same limit (then a 503: the threads are busy, the spec may be fine)."""
+        timeout_s = self.limits.timeout_s
+        queued_until = time.monotonic() + timeout_s
+        while not future.done():
+            began = self._started.get(key)
+            wait_s = (queued_until if began is None else began + timeout_s) - time.monotonic()
+            if wait_s <= 0 and began is None:
+                raise ServerBusy(f"every grammar compiler thread is busy; the {kind} constraint did not start "
+                                 f"compiling within {timeout_s:g} s, retry later")
+            if wait_s <= 0:
+                if key not in self._verdicts:
+                    self._remember(key, f"the {kind} constraint did not compile within {timeout_s:g} s, this "
+                                        f"server's limit (--grammar-timeout); simplify it")
+                return self._verdicts[key]
+            try:
+                await asyncio.wait_for(asyncio.shield(future), wait_s)
+            except TimeoutError:
+                continue
+        return future.result()
 
     async def check_tools(self, tools: list[ToolDefinition] | None) -> None:
         """Refuse tools whose parameter schemas are over the size limits, or that take past the time
@@ -120,7 +136,7 @@ class GrammarGate:
 
     def _compile(self, spec: StructuredOutputsParams, key: str) -> str | None:
         """On a gate thread: None if the grammar compiles and can start, else why not."""
-        self._started.add(key)
+        self._started[key] = time.monotonic()
         try:
             compiled = self.compiler.compile(spec)
         except InvalidRequest as exc:
@@ -132,7 +148,7 @@ class GrammarGate:
 
     def _settle(self, key: str, future: asyncio.Future[str | None]) -> None:
         self._running.pop(key, None)
-        self._started.discard(key)
+        self._started.pop(key, None)
         if not future.cancelled() and future.exception() is None and key not in self._verdicts:
             self._remember(key, future.result())
         elif not future.cancelled() and future.exception() is not None:

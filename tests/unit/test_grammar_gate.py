@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -25,11 +26,13 @@ class FakeCompiler:
         self.calls: Counter[str] = Counter()
         self.release = threading.Event()
         self.slow: set[str] = set()
+        self.seconds: dict[str, float] = {}
 
     def compile(self, spec: Spec) -> str:
         self.calls[spec.key] += 1
         if spec.key in self.slow:
             self.release.wait(30)
+        time.sleep(self.seconds.get(spec.key, 0.0))
         return "dead" if spec.regex == "dead" else "ok"
 
 
@@ -97,6 +100,19 @@ def test_past_the_time_limit_a_400_that_sticks_and_queued_work_nobody_waits_for_
 
     asyncio.run(main())
     assert compiler.calls == {"regex:slow": 1, "regex:after": 1}
+
+
+def test_the_time_limit_counts_compiling_not_waiting_for_a_thread() -> None:
+    compiler = FakeCompiler()
+    compiler.seconds = {"regex:first": 0.6, "regex:second": 0.6}
+    g = gate(compiler, timeout_s=1.0, max_concurrent_compiles=1)
+
+    async def main() -> None:
+        # "second" waits 0.6 s for the thread, then compiles in 0.6 s: 1.2 s in all, within the limit.
+        await asyncio.gather(g.admit(Spec(regex="first"), "p"), g.admit(Spec(regex="second"), "p"))
+
+    asyncio.run(main())
+    assert g._verdicts == {"regex:first": None, "regex:second": None}
 
 
 def test_the_verdict_cache_is_bounded() -> None:
