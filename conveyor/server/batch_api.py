@@ -136,7 +136,11 @@ class BatchRunner:
             if response.status_code in _RETRIED:
                 await asyncio.sleep(_RETRY_S)
                 continue
-            result = result_line(BatchLine(line.number, line.custom_id), response.status_code, response.json(), None)
+            try:
+                body: Any = response.json()
+            except ValueError:   # not JSON: kept as text, the line still gets its result
+                body = response.text
+            result = result_line(BatchLine(line.number, line.custom_id), response.status_code, body, None)
             self.store.finish_line(batch_id, line.number, response.status_code < 400, result)
             return
 
