@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from conveyor.config import GrammarLimits
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
-from conveyor.config import GrammarLimits
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
-from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
