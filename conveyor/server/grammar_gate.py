@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.config import GrammarLimits
@@ -63,14 +64,21 @@ class _DaemonPool:
                 future.set_exception(exc)
 
 
+@dataclass(slots=True, eq=False)
+class _Compile:
+    """One spec's compile in flight, shared by every request waiting for that spec."""
+
+    future: asyncio.Future[str | None] = field(init=False)
+    began_s: float | None = None       # when a thread began it (monotonic); None while queued
+
+
 class GrammarGate:
     def __init__(self, compiler: GrammarCompiler, limits: GrammarLimits) -> None:
         self.compiler, self.limits = compiler, limits
         self._pool = _DaemonPool(limits.max_concurrent_compiles)
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()   # spec key -> refusal, or None: compiles
-        self._running: dict[str, asyncio.Future[str | None]] = {}
+        self._running: dict[str, _Compile] = {}
         self._waiters: dict[str, int] = {}
-        self._started: dict[str, float] = {}   # running key -> when a thread began its compile (monotonic)
 
     async def admit(self, spec: StructuredOutputsParams, param: str) -> None:
         """Return once `spec` compiles (and its grammar lets the model write something); else raise."""
@@ -82,28 +90,30 @@ class GrammarGate:
             return _raise_refusal(self._verdicts[key], param)
         if not self.compiler.is_built:   # once per model, and not the request's to pay against its limit
             await asyncio.wrap_future(self._pool.submit(self.compiler.build))
-        future = self._running.get(key)
-        if future is None:
-            future = self._running[key] = asyncio.wrap_future(self._pool.submit(lambda: self._compile(spec, key)))
-            future.add_done_callback(lambda done: self._settle(key, done))
+        work = self._running.get(key)
+        if work is None:
+            work = self._running[key] = _Compile()
+            work.future = asyncio.wrap_future(self._pool.submit(lambda: self._compile(spec, key, work)))
+            work.future.add_done_callback(lambda done: self._settle(key, work))
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
-            refusal = await self._outcome(key, kind, future)
+            refusal = await self._outcome(key, kind, work)
         finally:
             self._waiters[key] -= 1
             if not self._waiters[key]:
                 del self._waiters[key]
-                if not future.done() and key not in self._started:
-                    future.cancel()   # nobody waits for it and no thread has begun it
+                if not work.future.done() and work.began_s is None:
+                    work.future.cancel()   # nobody waits for it and no thread has begun it
         _raise_refusal(refusal, param)
 
-    async def _outcome(self, key: str, kind: str, future: asyncio.Future[str | None]) -> str | None:
+    async def _outcome(self, key: str, kind: str, work: _Compile) -> str | None:
         """The compile's verdict. The time limit runs from when a thread began it; waiting for a thread
         is bounded by the same limit (then a 503: the threads are busy, the spec may be fine)."""
         timeout_s = self.limits.timeout_s
         queued_until = time.monotonic() + timeout_s
+        future = work.future
         while not future.done():
-            began = self._started.get(key)
+            began = work.began_s
             wait_s = (queued_until if began is None else began + timeout_s) - time.monotonic()
             if wait_s <= 0 and began is None:
                 raise ServerBusy(f"every grammar compiler thread is busy; the {kind} constraint did not start "
@@ -134,9 +144,9 @@ class GrammarGate:
             raise InvalidRequest(f"the tools' parameter schemas could not be checked within {self.limits.timeout_s:g} "
                                  f"s, this server's limit (--grammar-timeout); simplify them", param="tools") from None
 
-    def _compile(self, spec: StructuredOutputsParams, key: str) -> str | None:
+    def _compile(self, spec: StructuredOutputsParams, key: str, work: _Compile) -> str | None:
         """On a gate thread: None if the grammar compiles and can start, else why not."""
-        self._started[key] = time.monotonic()
+        work.began_s = time.monotonic()
         try:
             compiled = self.compiler.compile(spec)
         except InvalidRequest as exc:
@@ -146,9 +156,10 @@ class GrammarGate:
             return f"the {kind} constraint admits no text this model's tokens can write"
         return None
 
-    def _settle(self, key: str, future: asyncio.Future[str | None]) -> None:
-        self._running.pop(key, None)
-        self._started.pop(key, None)
+    def _settle(self, key: str, work: _Compile) -> None:
+        if self._running.get(key) is work:
+            del self._running[key]
+        future = work.future
         if not future.cancelled() and future.exception() is None and key not in self._verdicts:
             self._remember(key, future.result())
         elif not future.cancelled() and future.exception() is not None:
