@@ -82,9 +82,9 @@ class GrammarGate:
 
     async def admit(self, spec: StructuredOutputsParams, param: str) -> None:
         """Return once `spec` compiles (and its grammar lets the model write something); else raise."""
-        kind = spec.key.split(":", 1)[0]
-        check_size(spec, self.limits, param)
+        check_size(spec, self.limits, param)   # before the key: a schema's key is its whole text, sorted
         key = spec.key
+        kind = key.split(":", 1)[0]
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             return _raise_refusal(self._verdicts[key], param)
@@ -179,7 +179,7 @@ def _raise_refusal(refusal: str | None, param: str) -> None:
 
 def check_size(spec: StructuredOutputsParams, limits: GrammarLimits, param: str) -> None:
     """InvalidRequest naming the limit when `spec` is bigger than this server compiles."""
-    kind = spec.key.split(":", 1)[0]
+    kind = _kind(spec)
     if spec.regex is not None and len(spec.regex) > limits.max_regex_chars:
         raise InvalidRequest(f"the regex has {len(spec.regex)} characters; this server compiles at most "
                              f"{limits.max_regex_chars} (--max-regex-chars)", param=param)
@@ -188,6 +188,11 @@ def check_size(spec: StructuredOutputsParams, limits: GrammarLimits, param: str)
     _check_bytes(len(spec.key.encode("utf-8", errors="replace")), limits, param, kind)
     if spec.choice is not None:
         _check_choices(len(spec.choice), limits, param, kind)
+
+
+def _kind(spec: StructuredOutputsParams) -> str:
+    return next(name for name in ("json", "regex", "choice", "grammar", "structural_tag", "json_object")
+                if getattr(spec, name) not in (None, False))
 
 
 def _check_schema(schema: str | dict[str, Any], limits: GrammarLimits, param: str, kind: str) -> None:
