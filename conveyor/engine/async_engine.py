@@ -124,7 +124,8 @@ class AsyncEngine:
         return one output queue per prompt, for `outputs`. A batch job's request (`is_batch`) skips
         the waiting-queue and per-tenant bounds and is counted in neither: it yields to interactive ones."""
         arrival_s = self.clock()
-        core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant)
+        core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant,
+                                                 is_batch)
                          for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True)]
         self._check_accepting()
         limit = None if is_batch else self.max_waiting_requests

@@ -141,6 +141,7 @@ class EngineCore:
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
             tenant=core_request.tenant,
+            is_background=core_request.is_background,
             can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
         if request.request_id in self._live:   # the scheduler does not see requests still compiling
