@@ -14,6 +14,7 @@ own cache, bounded in bytes, which the engine core's compile reads.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import queue
@@ -76,15 +77,15 @@ class GrammarGate:
     def __init__(self, compiler: GrammarCompiler, limits: GrammarLimits) -> None:
         self.compiler, self.limits = compiler, limits
         self._pool = _DaemonPool(limits.max_concurrent_compiles)
-        self._verdicts: OrderedDict[str, str | None] = OrderedDict()   # spec key -> refusal, or None: compiles
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()   # spec key's hash -> refusal, or None
         self._running: dict[str, _Compile] = {}
         self._waiters: dict[str, int] = {}
 
     async def admit(self, spec: StructuredOutputsParams, param: str) -> None:
         """Return once `spec` compiles (and its grammar lets the model write something); else raise."""
         check_size(spec, self.limits, param)   # before the key: a schema's key is its whole text, sorted
-        key = spec.key
-        kind = key.split(":", 1)[0]
+        kind = _kind(spec)
+        key = hashlib.sha256(spec.key.encode("utf-8", errors="surrogatepass")).hexdigest()   # kept small
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             return _raise_refusal(self._verdicts[key], param)
@@ -152,8 +153,7 @@ class GrammarGate:
         except InvalidRequest as exc:
             return exc.message
         if not can_start(compiled, self.compiler.vocab_size):
-            kind = key.split(":", 1)[0]
-            return f"the {kind} constraint admits no text this model's tokens can write"
+            return f"the {_kind(spec)} constraint admits no text this model's tokens can write"
         return None
 
     def _settle(self, key: str, work: _Compile) -> None:
