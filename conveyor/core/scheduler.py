@@ -316,8 +316,7 @@ class Scheduler:
     def _preempt_for_priority(self, preempted: list[str]) -> None:
         """Make room for the best waiting request by preempting running ones of a worse priority,
         when the batch is full or the KV cache cannot take its first chunk. A request preempted
-        max_priority_preemptions times is not picked again, so it cannot starve; a background one (a
-        batch job's line) yields every time, as the spare capacity is all it asked for."""
+        max_priority_preemptions times is not picked again, so it cannot starve (a background one may be)."""
         if not self.waiting or not self.running or self.waiting[0].priority >= self.running[-1].priority:
             return
         candidate = self.waiting[0]
