@@ -86,6 +86,32 @@ def measure_bandwidth(threads: int, size_bytes: int = 512 * 2**20, repeats: int 
     return {"read_bytes_per_s": size_bytes / read, "copy_bytes_per_s": 2 * size_bytes / copy}
 
 
+def stream_read_bandwidth(threads: int, size_bytes: int = 2 * 2**30, repeats: int = 5) -> float:
+    """Bytes/s the C kernels' thread pool reads from a buffer of `size_bytes` (default 2 GiB), split as
+    the matmuls split their weights: the wall a one-row decode step streams against."""
+    import ctypes
+
+    import torch
+
+    from conveyor import kernels
+
+    built = kernels.library()
+    if built is None:
+        raise RuntimeError("the stream test needs the C kernels (no C compiler found)")
+    lib = built.lib
+    lib.kq_stream_read.restype = ctypes.c_int64
+    lib.kq_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    buf = torch.ones(size_bytes + 64, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 64
+    nbytes = (size_bytes - start) // 256 * 256
+    best = float("inf")
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        lib.kq_stream_read(buf.data_ptr() + start, nbytes, 1 << 20, threads)
+        best = min(best, time.perf_counter() - began)
+    return nbytes / best
+
+
 def step_floor(batch: int, params: dict[str, int], bandwidth: float, rates: dict[int, float]) -> dict[str, float | str]:
     """Floor on one decode step of `batch` rows: weights read once, 2 x matmul params FLOPs per row."""
     flops = 2 * params["matmul_params"] * batch
@@ -126,6 +152,7 @@ def measure(model: str | None, threads: int, batch_sizes: list[int]) -> dict:
     sizes = sorted({1, 64, 256, 512, *batch_sizes})
     rates = measure_matmul(arch, sizes, threads)
     bw = measure_bandwidth(threads)
+    bw["stream_read_bytes_per_s"] = stream_read_bandwidth(threads)
     bandwidth = max(bw.values())
     return {
         "threads": threads,

@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--builds", default="native", help="comma-separated: " + ",".join(BUILDS))
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the builds; the median is reported")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--stream", action="store_true",
+                        help="also measure the C stream read of 2 GiB on each thread count (the wall), in the same run")
     args = parser.parse_args()
     native = kernels.cpu_features()
     libs = {}
@@ -77,12 +79,13 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         w = torch.randn(n, k)
-        copies = max(1, ROTATE_BYTES // (n * k * 4))
         for fmt in args.formats.split(","):
             if fmt not in ("f32", "int8") and not quant.can_keep(fmt, k):
                 print(f"{n:>6}x{k:<5} {fmt:>5}: K = {k} does not fit the format, skipped")
                 continue
             blocks = None if fmt in ("f32", "int8") else _blocks(fmt, w)
+            one_copy = n * k * 4 if fmt == "f32" else n * k if fmt == "int8" else blocks.nbytes
+            copies = max(2, -(-ROTATE_BYTES // one_copy))   # the copies together exceed the last-level cache
             weights = {}
             for name, lib in libs.items():
                 if fmt == "f32":
@@ -94,6 +97,9 @@ def main() -> None:
             nbytes = n * k * 4 if fmt == "f32" else weights[next(iter(libs))][0].nbytes
             for threads in map(int, args.threads.split(",")):
                 torch.set_num_threads(threads)
+                if args.stream:
+                    from bench.limits import stream_read_bandwidth
+                    print(f"{'stream read':>24} {threads:>3}  {'':>12} {stream_read_bandwidth(threads) / 1e9:>7.1f}")
                 for m in map(int, args.rows.split(",")):
                     x = torch.randn(m, k)
                     times: dict[str, list[float]] = {name: [] for name in libs}

@@ -279,6 +279,9 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     max_concurrency: int | None = None
+    # A core that sends nothing for this long while it owes requests output is taken as stuck:
+    # /health turns 503 and the requests in flight fail with a 503, until it steps again. 0 = off.
+    core_stall_timeout_s: float = 30.0
     # The API key always guards /v1/*; /health stays open for probes. /metrics is open by default,
     # as vLLM leaves it, for scrapers; protect_metrics puts it behind the key. enable_docs False
     # removes /openapi.json and /docs (vLLM's --disable-fastapi-docs).
@@ -309,6 +312,9 @@ class ServerConfig:
             raise ValueError("protect_metrics needs an api_key to protect /metrics with")
         if not self.stats_log_interval_s >= 0:
             raise ValueError(f"stats_log_interval_s must be >= 0, got {self.stats_log_interval_s!r}")
+        stall = self.core_stall_timeout_s
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 <= stall < float("inf"):
+            raise ValueError(f"core_stall_timeout_s must be a number of seconds >= 0 (0 = off), got {stall!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

@@ -21,6 +21,9 @@ MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size me
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 100.0                # OpenAI's range for logit_bias values
 MAX_CHOICES = 128                     # n: choices per prompt
+MAX_STOP_STRINGS = 64                 # each new piece of text is checked against every stop string
+MAX_STOP_CHARS = 1024                 # per stop string; text this long is held back until it cannot match
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,8 +126,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                                  param="min_tokens")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                                 param="stop")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequest(f"a stop string has at most {MAX_STOP_CHARS} characters, got one of "
+                                 f"{max(len(s) for s in self.stop)}", param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                                 f"are allowed", param="stop_token_ids")
         if not all(_is_int(t, minimum=0) for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers", param="stop_token_ids")
         if self.logprobs is not None and not (_is_int(self.logprobs, minimum=0) and self.logprobs <= MAX_LOGPROBS):

@@ -283,8 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout_s,
                        help="seconds an idle keep-alive connection stays open")
     serve.add_argument("--max-concurrency", type=int, default=None,
-                       help="most requests in progress at once, streams included; past it new ones get 503 "
-                            "with Retry-After (/health and /metrics are never refused; default: no cap)")
+                       help="most completions and chat completions in progress at once, streams included, from when "
+                            "their body has arrived; past it new ones get 503 with Retry-After (other routes, and "
+                            "requests without the API key, never count; default: no cap)")
+    serve.add_argument("--core-stall-timeout", type=float, default=ServerConfig.core_stall_timeout_s,
+                       help="seconds the engine core may send nothing while requests wait on it; past it /health "
+                            "answers 503 and the requests in flight fail with a 503 until it steps again (0 = off)")
     _add_grammar_flags(serve)
     serve.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
@@ -336,6 +340,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout,
                           body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                           max_concurrency=args.max_concurrency, protect_metrics=args.protect_metrics,
+                          core_stall_timeout_s=args.core_stall_timeout,
                           enable_docs=args.enable_docs,
                           stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,

@@ -64,6 +64,10 @@ class AsyncEngine:
         self._started = False
         self.is_accepting = True
         self.dead_reason: str | None = None
+        # For the stall watchdog: requests the core still owes output, and when it last showed progress.
+        self._owed: set[str] = set()
+        self.last_progress_s = clock()
+        self.stall_reason: str | None = None
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -147,6 +151,9 @@ class AsyncEngine:
                 self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
             self.front.track(request)
+        if not self._owed:   # the core was idle: its silence so far was no stall
+            self.last_progress_s = self.clock()
+        self._owed.update(request.request_id for request in core_requests)
         self._num_in_transit += len(core_requests)
         self.client.send(AddRequests(core_requests))
         return queues
@@ -154,6 +161,8 @@ class AsyncEngine:
     def _check_accepting(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self.stall_reason is not None:
+            raise EngineDeadError(self.stall_reason)
         if not self.is_accepting:
             raise EngineDeadError("the server is shutting down")
 
@@ -196,6 +205,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)
+        self._owed.discard(request_id)
         self.front.drop(request_id)
         if self.dead_reason is None:
             self.client.send(AbortRequests([request_id]))
@@ -209,12 +219,19 @@ class AsyncEngine:
 
     def _on_outputs(self, outputs: StepOutputs) -> None:
         self.load = outputs.load
+        self.last_progress_s = self.clock()
+        if self.stall_reason is not None:
+            logger.warning("the engine core is stepping again; accepting requests")
+            self.stall_reason = None
         self._num_in_transit -= outputs.num_added
         for request_id, exc in outputs.rejected:
             self.front.drop(request_id)
+            self._owed.discard(request_id)
             self._put(request_id, exc)
         text_outputs, stop_hits = self.front.process(outputs.deltas)
         for output in text_outputs:
+            if output.finished:
+                self._owed.discard(output.request_id)
             self._put(output.request_id, output)
         if stop_hits:
             self.client.send(FinishRequests(stop_hits))
@@ -239,10 +256,27 @@ class AsyncEngine:
         for observer in self.death_observers:
             observer(reason)
 
+    @property
+    def num_owed(self) -> int:
+        """Requests sent to the core that it has not finished, rejected or been told to abort."""
+        return len(self._owed)
+
+    def mark_stalled(self, reason: str) -> None:
+        """The core has shown no progress for too long: fail what is in flight, refuse new requests
+        (and /health) with `reason` until its next message."""
+        if self.stall_reason is not None or self.dead_reason is not None:
+            return
+        logger.error("%s; failing %d requests in flight", reason, len(self._queues))
+        self.stall_reason = reason
+        if self._queues:
+            self.client.send(AbortRequests(list(self._queues)))
+        self._fail_all(EngineDeadError(f"{reason}; this request was stopped"))
+
     def _fail_all(self, exc: ConveyorError) -> None:
         for request_id, queue in list(self._queues.items()):
             self.front.drop(request_id)
             queue.put_nowait(exc)
         self._queues.clear()
+        self._owed.clear()
         self._tenant_of.clear()
         self.tenant_in_flight.clear()

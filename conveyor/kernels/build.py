@@ -24,8 +24,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "shm_reduce.c")
-HEADERS = ("pool.h", "kquant.h", "kquant_dots.h", "half.h")   # hashed into the cache key with the sources
+SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "stream.c", "shm_reduce.c")
+HEADERS = ("pool.h", "kquant.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "conveyor" / "kernels"
 
 # /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).

@@ -95,7 +95,6 @@ static void repack_panel(void *arg, int64_t p) {
         const int64_t n = p * NR + c;
         if (n >= j->N) break;
         const uint8_t *row = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
-        const int o = c / 8, p8 = (c % 8) * 4;
         for (int64_t u = 0; u < units; u++) {
             const uint8_t *b = row + u * fb;
             uint8_t *unit = panel + u * ub, *hdr = unit;
@@ -126,9 +125,11 @@ static void repack_panel(void *arg, int64_t p) {
                     word |= lo << shift;
                     memcpy(dst, &word, 4);
                     if (fmt == FMT_Q4_K) continue;
-                    dst = fmt == FMT_Q6_K ? high + g * 32 + p8 : high + (g / 2) * 32 + p8;
+                    int hs;   /* where this channel's high bits of group g sit in its plane byte */
+                    if (fmt == FMT_Q5_0 || fmt == FMT_Q5_K) { dst = high + (g / 4) * 64 + (c % 16) * 4; hs = 2 * (g % 4) + (c >= 16); }
+                    else { dst = high + (g / 2) * 64 + (c % 16) * 4; hs = 4 * (g % 2) + 2 * (c >= 16); }
                     memcpy(&word, dst, 4);
-                    word |= hi << (fmt == FMT_Q6_K ? 2 * o : o + 4 * (g & 1));
+                    word |= hi << hs;
                     memcpy(dst, &word, 4);
                 }
             }

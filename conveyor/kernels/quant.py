@@ -21,7 +21,8 @@ from conveyor.kernels.build import KernelLibrary
 QK = 32      # weights per block along K
 PANEL = 32   # output channels per panel
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}
-LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant.c's
+LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant_k.c's
+K_QUANTS = ("q4_k", "q5_k", "q6_k")          # activations quantized per 256 k (llama.cpp's Q8_K)
 # Weights per file block along K, for the formats repacked in C.
 BLOCK_WEIGHTS = {"q5_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
@@ -65,6 +66,8 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
         lib.quant_isa.argtypes = []
         lib.kq_isa.restype = ctypes.c_int
         lib.kq_isa.argtypes = []
+        lib.kq_activations_k.restype = ctypes.c_int
+        lib.kq_activations_k.argtypes = [_P, _I64, _I64, _I64, _P, _P]
         lib.kq_linear.restype = ctypes.c_int
         lib.kq_linear.argtypes = [_P, _I64, ctypes.POINTER(LinearSpec), _P, _I64, _I64, _I64]
         lib.kq_repack.restype = ctypes.c_int
@@ -199,15 +202,18 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return torch.from_numpy(out.reshape(w.n, w.k))
 
 
-def activations(built: KernelLibrary, x: torch.Tensor) -> torch.Tensor:
-    """The rows of x (M, K) as the kernel sees them after int8 quantization (float32)."""
+def activations(built: KernelLibrary, x: torch.Tensor, fmt: str = "q8_0") -> torch.Tensor:
+    """The rows of x (M, K) as the kernel for `fmt` sees them after int8 quantization (float32): one
+    scale per 32 k, or per 256 k for the K-quants."""
     x = x.float().contiguous()
     m, k = x.shape
+    group = 256 if fmt in K_QUANTS else QK
     q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // QK)
-    if _lib(built).quant_activations(x.data_ptr(), k, m, k, q.data_ptr(), d.data_ptr()) != 0:
-        raise ValueError(f"activations: K = {k} is not a multiple of {QK}")
-    return (q.float().view(m, -1, QK) * d[:, :, None]).view(m, k)
+    d = torch.empty(m, k // group)
+    quantize = _lib(built).kq_activations_k if group == 256 else _lib(built).quant_activations
+    if quantize(x.data_ptr(), k, m, k, q.data_ptr(), d.data_ptr()) != 0:
+        raise ValueError(f"activations: K = {k} is not a multiple of {group}")
+    return (q.float().view(m, -1, group) * d[:, :, None]).view(m, k)
 
 
 def linear_spec(weights: list[QuantWeight], bias: torch.Tensor | None) -> LinearSpec:

@@ -145,8 +145,9 @@ class ConveyorIngress:
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      list(request.scope["headers"]), body,
                                      tuple(request.client) if request.client else None)
-        # A big body (JSON, a long chat through its template) is keyed off the event loop.
-        key = (self.prefix.key(path, body) if len(body) <= _THREAD_KEY_BYTES
+        # A big body, or any chat (its template came with the model and renders on a budget of
+        # seconds), is keyed off the event loop.
+        key = (self.prefix.key(path, body) if len(body) <= _THREAD_KEY_BYTES and path != "/v1/chat/completions"
                else await asyncio.to_thread(self.prefix.key, path, body))
         stream = _replica_errors(self.engine.serve_http.remote(forwarded, **{ROUTING_KEY_ARG: key}))
         try:

@@ -43,7 +43,8 @@ class PromptPrefix:
         try:
             payload = json.loads(body)
             token_ids = self._chat_prefix(payload) if path == "/v1/chat/completions" else self._prompt_prefix(payload)
-        except (ValueError, TypeError, pydantic.ValidationError, ConveyorError, jinja2.TemplateError) as exc:
+        except (ValueError, TypeError, RecursionError, pydantic.ValidationError, ConveyorError,
+                jinja2.TemplateError) as exc:
             logger.debug("no routing key for %s: %s", path, exc)
             return RoutingKey()
         return prefix_key(token_ids, self.block_size, self.max_blocks) if token_ids else RoutingKey()

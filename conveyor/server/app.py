@@ -1,13 +1,11 @@
 """FastAPI app factory: the OpenAI-compatible HTTP surface over one AsyncEngine.
 
-Owns routing, the request guard (API key, body size), and the one place errors become OpenAI
-error bodies: every ConveyorError, validation error and HTTP error is rendered by `error_response`.
+Owns routing and the exception handlers: every ConveyorError, validation error and HTTP error
+is rendered by `error_response` (request_guard.py, which also owns the key, body and concurrency checks).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -21,29 +19,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.errors import (
-    ConveyorError,
-    InvalidRequest,
-    ModelNotFound,
-    RequestTimeout,
-    RequestTooLarge,
-    ServerBusy,
-    Unauthorized,
-)
-from conveyor.server.batch_api import BatchRunner, add_batch_routes, is_batch_request
+from conveyor.engine.core_watchdog import CoreWatchdog
+from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
+from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
-from conveyor.server.live_view import EVENTS_PATH, add_dashboard
+from conveyor.server.live_view import add_dashboard
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.request_guard import RequestGuard, error_response
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
-    ErrorInfo,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -60,9 +50,6 @@ from conveyor.server.tokenization import (
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1
-_PROBE_PATHS = ("/health", "/metrics", EVENTS_PATH)   # never refused by the concurrency cap
-
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in (
@@ -75,8 +62,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
               "character limit (code `prompt_too_long`)"),
         (429, "waiting queue full; retry after the `Retry-After` header's seconds"),
         (500, "the engine step running this request failed"),
-        (503, "the server is shutting down, or its engine core died, or it has --max-concurrency requests "
-              "in progress (code `server_busy`, with `Retry-After`)"),
+        (503, "the server is shutting down, or its engine core died or made no progress for "
+              "--core-stall-timeout, or it has --max-concurrency requests in progress (code `server_busy`, "
+              "with `Retry-After`)"),
     )
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -86,127 +74,6 @@ _STREAM_DOC = {"text/event-stream": {
         "data": {"type": "string", "description": "a JSON chunk, a JSON error body, or [DONE] last"},
         "event": {"type": "string"}}},
     "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
-
-
-def error_response(exc: ConveyorError) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code))
-    headers: dict[str, str] = {}
-    if exc.status == 429 or isinstance(exc, ServerBusy):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    elif exc.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
-
-
-class RequestGuard:
-    """ASGI middleware: the concurrency cap, the API key on /v1/*, then the body limit and body
-    timeout, before anything parses the body.
-
-    The cap counts requests in progress, streams until their last event included; /health,
-    /metrics and the live view's stream are never refused by it, so probes, scrapers and operators
-    still see an overloaded server; nor are a batch job's lines, which yield to interactive requests.
-
-    The body is read here, up to the limit, whatever Content-Length says (it may be absent or
-    wrong), and replayed to the app; after the replay the app's receive reaches the server again,
-    so disconnects are still seen.
-    """
-
-    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
-        self.app = app
-        self.max_concurrency = server.max_concurrency
-        self.num_in_progress = 0
-        self.expected_auth = f"Bearer {server.api_key}".encode() if server.api_key is not None else None
-        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
-        self.protected_paths = (*keyed, "/metrics") if server.protect_metrics else keyed
-        self.max_body_bytes = server.max_body_bytes
-        self.body_timeout_s = server.body_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS or is_batch_request(scope):
-            await self._guarded(scope, receive, send)
-            return
-        if self.max_concurrency is not None and self.num_in_progress >= self.max_concurrency:
-            await self._refuse(ServerBusy(f"the server has {self.max_concurrency} requests in progress, its "
-                                          f"limit; retry later"), scope, receive, send)
-            return
-        self.num_in_progress += 1
-        try:
-            await self._guarded(scope, receive, send)
-        finally:
-            self.num_in_progress -= 1
-
-    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self.expected_auth is not None and scope["path"].startswith(self.protected_paths):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected_auth):
-                message = "missing API key" if not given else "invalid API key"
-                await self._refuse(Unauthorized(f"{message}; send 'Authorization: Bearer <key>'"), scope, receive, send)
-                return
-        too_large = RequestTooLarge(f"the request body is larger than the server's limit of "
-                                    f"{self.max_body_bytes} bytes")
-        declared = headers.get(b"content-length")
-        if declared is not None and not declared.isdigit():
-            await self._refuse(InvalidRequest("invalid Content-Length header"), scope, receive, send)
-            return
-        if declared is not None and int(declared) > self.max_body_bytes:
-            await self._refuse(too_large, scope, receive, send)
-            return
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.body_timeout_s):   # a slow body must not hold a connection
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return  # the client left before sending its body
-                    body += message.get("body", b"")
-                    if len(body) > self.max_body_bytes:
-                        await self._refuse(too_large, scope, receive, send)
-                        return
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            await self._refuse(RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g} s"),
-                               scope, receive, send)
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self._answer_bugs(scope, replay, send)
-
-    async def _answer_bugs(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Run the app; a bug before the response started becomes one logged traceback and a 500
-        with an OpenAI body. (Left to Starlette, its handler answers and then re-raises, so the
-        server logs the same traceback a second time.)"""
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception as exc:
-            if started:
-                raise   # too late for an error body; the server logs it and closes the connection
-            logger.error("%s %s raised", scope["method"], scope["path"], exc_info=exc)
-            await error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))(scope, receive, send)
-
-    @staticmethod
-    async def _refuse(exc: ConveyorError, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(exc)
-        response.headers["Connection"] = "close"  # the unread rest of the body makes the connection unusable
-        await response(scope, receive, send)
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) -> FastAPI:
@@ -223,16 +90,19 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars, server.grammar)
     created = int(time.time())
 
+    watchdog = CoreWatchdog(async_engine, server.core_stall_timeout_s)
     batch_store = BatchStore(None if server.state_dir is None else Path(server.state_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watchdog.start()
         runner = app.state.batch_runner = BatchRunner(batch_store, app, async_engine.info.scheduler.max_num_seqs,
                                                       api_key)
         runner.start()
         yield
         await runner.stop()             # lines in flight stay pending: a restart runs them
+        await watchdog.stop()
         await async_engine.shutdown(0)  # in-flight requests were drained before lifespan shutdown
 
     # The docs page is served with Swagger UI's own files (swagger-ui-bundle), not FastAPI's CDN links,
@@ -326,6 +196,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
             return error_response(EngineDeadError(async_engine.dead_reason))
         if not async_engine.is_accepting:
             return error_response(EngineDeadError("the server is shutting down"))
+        if async_engine.stall_reason is not None:
+            return error_response(EngineDeadError(async_engine.stall_reason))
         return HealthResponse()
 
     @app.get("/metrics", response_class=Response,

@@ -24,6 +24,7 @@ from conveyor.engine.structured_output import json_schema_refusal
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
+from conveyor.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 
 DEFAULT_TOOLS_PROMPT = (
     "You may call one or more functions to answer the user. The functions are described in JSON "
@@ -43,12 +44,18 @@ def _call_block(name: str, arguments: Any) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str, param: str) -> Any:
     """Templates expect arguments as an object; a text that is not JSON is passed on as it is."""
+    if nests_deeper_than(text):
+        raise InvalidRequest(f"{param}: the arguments nest JSON more than {MAX_JSON_DEPTH} levels deep", param=param)
     try:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def _arguments_param(message_index: int, call_index: int) -> str:
+    return f"messages.{message_index}.tool_calls.{call_index}.function.arguments"
 
 
 def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | None, tool_choice: str,
@@ -56,7 +63,7 @@ def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | No
     """(messages, tools) for the chat template. tool_choice 'none' shows no tools, as the model may not call one."""
     shown = _tool_dicts(tools) if tools and tool_choice != "none" else None
     chat: list[dict[str, Any]] = []
-    for message in messages:
+    for index, message in enumerate(messages):
         entry: dict[str, Any] = {"role": message.role, "content": message.text}
         if message.name is not None:
             entry["name"] = message.name
@@ -66,11 +73,13 @@ def template_input(messages: list[ChatMessage], tools: list[ToolDefinition] | No
             if template_takes_tools:
                 entry["tool_calls"] = [{"id": call.id, "type": "function",
                                         "function": {"name": call.function.name,
-                                                     "arguments": _arguments(call.function.arguments)}}
-                                       for call in message.tool_calls]
+                                                     "arguments": _arguments(call.function.arguments,
+                                                                             _arguments_param(index, i))}}
+                                       for i, call in enumerate(message.tool_calls)]
             else:
-                blocks = [_call_block(call.function.name, _arguments(call.function.arguments))
-                          for call in message.tool_calls]
+                blocks = [_call_block(call.function.name,
+                                  _arguments(call.function.arguments, _arguments_param(index, i)))
+                          for i, call in enumerate(message.tool_calls)]
                 entry["content"] = "\n".join(([message.text] if message.text else []) + blocks)
         if message.role == "tool" and not template_takes_tools:
             entry["content"] = f"<tool_response>\n{message.text or ''}\n</tool_response>"

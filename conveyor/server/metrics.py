@@ -8,7 +8,9 @@ and runs on the event loop; it also writes the one log line per finished request
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,10 +75,25 @@ CONVEYOR_METRIC_NAMES = (
 METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
 
 # Tenants are named by clients: the first MAX_TENANT_LABELS get a label of their own, later ones
-# share TENANT_OVERFLOW_LABEL, so a client cannot grow the metrics without bound.
+# share TENANT_OVERFLOW_LABEL, and each label is at most MAX_TENANT_LABEL_CHARS of [A-Za-z0-9._-],
+# so no client can grow the metrics without bound.
 MAX_TENANT_LABELS = 32
+MAX_TENANT_LABEL_CHARS = 64
 TENANT_OVERFLOW_LABEL = "(other)"
 DEFAULT_TENANT_LABEL = "(default)"
+_LABEL_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+_NOT_LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_LABEL_DIGEST_CHARS = 16
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant as a metrics label: itself if short and plain, else its plain part cut short and a
+    digest of the whole, so two long names stay apart."""
+    if len(tenant) <= MAX_TENANT_LABEL_CHARS and _LABEL_CHARS.fullmatch(tenant):
+        return tenant
+    digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:_LABEL_DIGEST_CHARS]
+    plain = _NOT_LABEL_CHARS.sub("_", tenant[:MAX_TENANT_LABEL_CHARS])
+    return f"{plain[:MAX_TENANT_LABEL_CHARS - _LABEL_DIGEST_CHARS - 1]}-{digest}"
 
 
 class ServerMetrics:
@@ -312,7 +329,7 @@ class ServerMetrics:
                    f"; error: {output.error}" if output.error else "")
 
     def _tenant_label(self, tenant: str) -> str:
-        label = tenant or DEFAULT_TENANT_LABEL
+        label = tenant_label(tenant) if tenant else DEFAULT_TENANT_LABEL
         if label not in self._tenant_labels:
             if len(self._tenant_labels) >= MAX_TENANT_LABELS:
                 return TENANT_OVERFLOW_LABEL

@@ -8,7 +8,6 @@ that, an error reaches a streaming client as an error event followed by `[DONE]`
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import logging
 import time
@@ -21,13 +20,20 @@ from starlette.responses import Response
 
 from conveyor.config import GrammarLimits
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.grammar_gate import GrammarGate
+from conveyor.server.off_loop import (
+    THREAD_TOKENIZE_CHARS,
+    encode_all,
+    encode_large,
+    render_off_loop,
+    respond_off_loop,
+)
+from conveyor.server.request_limits import check_choice_count, check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -63,27 +69,6 @@ from conveyor.server.streaming import (
 
 logger = logging.getLogger(__name__)
 
-_THREAD_TOKENIZE_CHARS = 64 * 1024   # longer texts are tokenized off the event loop
-_TRIM_AFTER_CHARS = 1024 * 1024       # after tokenizing this much, hand freed heap back to the OS
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim   # glibc; elsewhere freed memory is left to the allocator
-    except (OSError, AttributeError):
-        return None
-
-
-_trim_heap = _malloc_trim()
-
-
-def _encode_large(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Tokenize on a worker thread. A big text leaves hundreds of MB of freed tokenizer buffers in
-    glibc's arenas (8 MB of text: about 600 MB of RSS), which stay in the process unless trimmed."""
-    token_ids = tokenizer.encode(text, add_special_tokens)
-    if len(text) > _TRIM_AFTER_CHARS and _trim_heap is not None:
-        _trim_heap(0)
-    return token_ids
 CLIENT_CLOSED_REQUEST = 499          # nginx's status for a client that left; nobody reads it
 
 
@@ -126,8 +111,8 @@ class OpenAIServing:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Large texts are tokenized on a worker thread, so streams and /health go on meanwhile.
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(_encode_large, self.tokenizer, text, add_special_tokens)
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(encode_large, self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
     async def _render_chat(self, body: ChatCompletionRequest) -> str:
@@ -143,7 +128,7 @@ class OpenAIServing:
         self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, tools=template_tools)
-        text = await asyncio.to_thread(render) if num_chars > _THREAD_TOKENIZE_CHARS else render()
+        text = await render_off_loop(render)
         self.check_prompt_chars(len(text), "messages")
         return text
 
@@ -160,10 +145,10 @@ class OpenAIServing:
         return True
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               request: Request, user: str | None) -> PromptGroup:
+               tenant: str, request: Request) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
-        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority,
-                           tenant_of(request, user), is_batch_request(request.scope))
+        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
+                           is_batch_request(request.scope))
 
     async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
         async def collect() -> list[_Choice]:
@@ -195,15 +180,21 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ /v1/completions
 
-    async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         if not await self.compile_grammar(params, body.constraint_field, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         texts = body.prompts()
-        self.check_prompt_chars(sum(len(p) for p in texts if isinstance(p, str)), "prompt")
-        prompts = [await self.encode(p) if isinstance(p, str) else list(p) for p in texts]
-        group = self._start("cmpl", prompts, params, body.priority, request, body.user)
+        check_choice_count(len(texts), params.n)
+        num_chars = sum(len(p) for p in texts if isinstance(p, str))
+        self.check_prompt_chars(num_chars, "prompt")
+        # Many short prompts add up: past the threshold in all, they are tokenized on one worker thread.
+        prompts = (await asyncio.to_thread(encode_all, self.tokenizer, texts) if num_chars > THREAD_TOKENIZE_CHARS
+                   else encode_all(self.tokenizer, texts))
+        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
+        group = self._start("cmpl", prompts, params, body.priority, tenant, request)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
@@ -211,14 +202,14 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return CompletionResponse(
+        return await respond_off_loop(lambda: CompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       logprobs=self._completion_logprobs(c.logprobs, 0)
                                       if params.logprobs is not None else None)
                      for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        )
+        ))
 
     async def _completion_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                                  body: CompletionRequest) -> AsyncIterator[str]:
@@ -275,8 +266,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ /v1/chat/completions
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         if body.tools:
             await self.grammar_gate.check_tools(body.tools)
@@ -284,8 +276,9 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
+        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, request, body.user)
+            group = self._start("chatcmpl", prompts, params, body.priority, tenant, request)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
@@ -299,11 +292,11 @@ class OpenAIServing:
             choices = await self._collect(request, group)
         except ClientDisconnected:
             return self._disconnected(group)
-        return ChatCompletionResponse(
+        return await respond_off_loop(lambda: ChatCompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        )
+        ))
 
     def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest) -> ChatChoice:
         content: str | None = "".join(choice.text)
@@ -388,11 +381,3 @@ def _tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallD
     return [ToolCallDelta(index=first_index + i, id=call.id, type="function",
                           function=FunctionCallDelta(name=call.name, arguments=call.arguments))
             for i, call in enumerate(calls)]
-
-
-TENANT_HEADER = "x-tenant"
-
-
-def tenant_of(request: Request, user: str | None) -> str:
-    """Whose request: the X-Tenant header (set by a gateway that knows its callers) over the body's user."""
-    return request.headers.get(TENANT_HEADER) or user or ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema, field_validator
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import (
@@ -32,6 +32,7 @@ from conveyor.sampling_params import (
 )
 from conveyor.server.chat_schemas import REQUEST_CONFIG, ChatMessage, NamedToolChoice, Text, ToolDefinition
 from conveyor.server.chat_tools import tool_choice_constraint
+from conveyor.server.request_limits import check_message_count
 
 # ---------------------------------------------------------------------------------------------
 # Requests
@@ -302,6 +303,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, messages: Any) -> Any:
+        """Counted before any message is parsed."""
+        if isinstance(messages, list):
+            check_message_count(len(messages))
+        return messages
 
     def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
         """Besides the constraint fields, tool_choice required or a named function is a grammar."""

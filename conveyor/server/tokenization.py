@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.errors import InvalidRequest
 from conveyor.server.chat_schemas import ChatMessage
 from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.request_limits import check_message_count
 
 _THREAD_DECODE_TOKENS = 16384
 
@@ -35,6 +37,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None     # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, messages: Any) -> Any:
+        if isinstance(messages, list):
+            check_message_count(len(messages))
+        return messages
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -25,7 +25,7 @@ def _library(variant: str) -> kernels.KernelLibrary:
 
 def _reference(library, x: torch.Tensor, raw: np.ndarray, fmt: str, bias: torch.Tensor) -> torch.Tensor:
     w = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, TYPES[fmt]), dtype=np.float64))
-    return quant.activations(library, x).double() @ w.t() + bias.double()
+    return quant.activations(library, x, fmt).double() @ w.t() + bias.double()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

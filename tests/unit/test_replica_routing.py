@@ -83,6 +83,7 @@ def test_prompt_prefix_keys_match_for_a_shared_prefix(tiny_checkpoint: Path) -> 
     # unreadable bodies get no key: the replica answers them as a single server would
     assert prefix.key("/v1/completions", b"{not json") == RoutingKey()
     assert key("/v1/chat/completions", {"messages": "nope"}) == RoutingKey()
+    assert prefix.key("/v1/completions", b"[" * 100_000 + b"]" * 100_000) == RoutingKey()   # too deep to parse
     assert key("/v1/batches", {}).sticky and key("/v1/files/x", {}).sticky
 
 

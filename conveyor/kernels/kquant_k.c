@@ -1,0 +1,237 @@
+/* Matmul on weights kept in Q5_0, Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
+ * output channels (see kquant.h), written once over kq_vec.h's 16-lane values.
+ *
+ * The K-quants' activations are quantized as llama.cpp's Q8_K: one scale per row and 256-k unit
+ * (du = amax / 127), int8 codes, and the codes' sums per 32 k (for Q4_K / Q5_K's mins) and per 16 k
+ * (for Q6_K's offset of 32, kept as 32 * sum); Q5_0's as quant.c's formats, per 32 k (its unit).
+ * Within a unit everything is integer and exact:
+ *
+ *   Q4_K / Q5_K   si = sum_j sc_j dot_j,  sm = sum_j m_j bsum_j     y += du (d si - dmin sm)
+ *   Q6_K          si = sum_s sc_s (dot_s - 32 hsum_s)               y += (d du) si
+ *   Q5_0          si = dot - 16 bsum                                y += (d du) si
+ *
+ * so a unit costs two float steps per channel, and the same float operations on every path and
+ * for every batch size: a row's result never depends on the other rows or the instruction set.
+ *
+ * A decode step has one row per request: with up to ROWS rows, each group of codes goes from the
+ * panel to the dot products in registers, so the step is one pass over the weights at streaming
+ * speed. With more rows a unit is decoded once into L1 and each pass of ROWS rows reads it there.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kquant.h"
+#include "kq_vec.h"
+
+#if KQV_ISA == 2
+#define ROWS 4   /* 6 accumulators a row fit 32 registers four times */
+#else
+#define ROWS 1
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192   /* into L2 (locality 1): ahead of the hardware prefetcher, which stops at 4 KiB pages */
+#endif
+
+/* ------------------------------------------------------------------ activations */
+
+/* One row, unit by unit: codes round-to-nearest-even(x * 127 / amax), the same bits however vectorised. */
+void kq_quantize_row_k(const float *x, int64_t K, int8_t *q, float *du, int32_t *bs32, int32_t *o16) {
+    for (int64_t u = 0; u < K / 256; u++) {
+        const float *xu = x + u * 256;
+        float amax = 0.f;
+        for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xu[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t *qu = q + u * 256;
+        for (int i = 0; i < 256; i++) qu[i] = (int8_t)(int32_t)nearbyintf(xu[i] * inv);
+        du[u] = amax / 127.f;
+        for (int s = 0; s < 16; s++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) sum += qu[s * 16 + i];
+            o16[u * 16 + s] = 32 * sum;
+            if (s & 1) bs32[u * 8 + s / 2] += sum;
+            else bs32[u * 8 + s / 2] = sum;
+        }
+    }
+}
+
+/* The rows of x as the K-quant matmul quantizes them: q (M, K), du (M, K/256). */
+int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *du) {
+    if (K % 256) return -1;
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(K / 16 + K / 32));
+    if (!sums) return -2;
+    for (int64_t m = 0; m < M; m++) kq_quantize_row_k(x + m * ldx, K, q + m * K, du + m * (K / 256), sums, sums + K / 32);
+    free(sums);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ one unit, a few rows */
+
+/* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kquant.h's planes. */
+KQV void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high, const int g, v16i *lo, v16i *hi) {
+    const v16i v = vload(nib + 64 * g);
+    *lo = vand8(v, 0x0f);
+    *hi = vand8(vshift(v, -4), 0x0f);
+    if (fmt == FMT_Q5_K || fmt == FMT_Q5_0) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
+        const v16i u = vload(high + 64 * (g / 4));
+        const int t = g % 4;
+        *lo = vor(*lo, vand8(vshift(u, 4 - 2 * t), 0x10));
+        *hi = vor(*hi, vand8(vshift(u, 3 - 2 * t), 0x10));
+    } else if (fmt == FMT_Q6_K) {   /* bits 4t..4t+1, 4t+2..4t+3 of plane byte g / 2 -> bits 4, 5 */
+        const v16i u = vload(high + 64 * (g / 2));
+        const int t = g % 2;
+        *lo = vor(*lo, vand8(vshift(u, 4 - 4 * t), 0x30));
+        *hi = vor(*hi, vand8(vshift(u, 2 - 4 * t), 0x30));
+    }
+}
+
+typedef struct {
+    const int8_t *q;        /* this unit's codes */
+    float du;
+    const int32_t *bs32;    /* this unit's sums of 32 */
+    const int32_t *o16;     /* this unit's 16 values 32 * (sum of 16) (Q6_K) */
+} row_unit;
+
+static inline int unit_blocks(int fmt) { return fmt == FMT_Q5_0 ? 1 : 8; }
+
+/* acc[r][0..32) += unit's contribution for rows r < mr. Codes come from the panel (decoded == NULL)
+ * or from decode_unit's copy. */
+KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const row_unit *x,
+                   float (*acc)[NR]) {
+    v16i si[ROWS][2], sm[ROWS][2];
+    for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
+    for (int j = 0; j < unit_blocks(fmt); j++) {
+        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt), *high = nib + 512;
+        if (!decoded)   /* an eighth of a unit per block, so headers are fetched ahead too */
+            for (int64_t i = (j * unit_bytes(fmt) / unit_blocks(fmt)) & ~63; i < (j + 1) * unit_bytes(fmt) / unit_blocks(fmt);
+                 i += 64)
+                __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
+        v16i da[ROWS][2], db[ROWS][2];   /* Q6_K: the block's two 16-k halves apart */
+        for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
+        for (int g = 0; g < 8; g++) {
+            v16i lo, hi;
+            if (decoded) {
+                lo = vload(decoded + (j * 8 + g) * 128);
+                hi = vload(decoded + (j * 8 + g) * 128 + 64);
+            } else {
+                group_codes(fmt, nib, high, g, &lo, &hi);
+            }
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xq = x[r].q + j * 32 + g * 4;
+                if (fmt == FMT_Q6_K && g >= 4) {
+                    db[r][0] = vdot(db[r][0], lo, xq);
+                    db[r][1] = vdot(db[r][1], hi, xq);
+                } else {
+                    da[r][0] = vdot(da[r][0], lo, xq);
+                    da[r][1] = vdot(da[r][1], hi, xq);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            if (fmt == FMT_Q5_0) {
+                for (int r = 0; r < mr; r++) si[r][h] = vsub(da[r][h], vset(16 * x[r].bs32[0]));
+            } else if (fmt == FMT_Q6_K) {
+                const v16i sa = vi8(unit + 64 + (2 * j) * 32 + h * 16), sb = vi8(unit + 64 + (2 * j + 1) * 32 + h * 16);
+                for (int r = 0; r < mr; r++) {
+                    const v16i a = vsub(da[r][h], vset(x[r].o16[2 * j])), b = vsub(db[r][h], vset(x[r].o16[2 * j + 1]));
+                    si[r][h] = vadd(si[r][h], vadd(vmul(sa, a), vmul(sb, b)));
+                }
+            } else {
+                const v16i sc = vu8(unit + 128 + j * 32 + h * 16), m = vu8(unit + 384 + j * 32 + h * 16);
+                for (int r = 0; r < mr; r++) {
+                    si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
+                    sm[r][h] = vadd(sm[r][h], vmul(m, vset(x[r].bs32[j])));
+                }
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const v16f d = vf16(unit + h * 32);
+        if (fmt == FMT_Q6_K || fmt == FMT_Q5_0) {
+            for (int r = 0; r < mr; r++)
+                vfstore(acc[r] + 16 * h, vfma(vfmul(d, vfset(x[r].du)), vcvt(si[r][h]), vfload(acc[r] + 16 * h)));
+        } else {
+            const v16f dmin = vf16(unit + 64 + h * 32);
+            for (int r = 0; r < mr; r++) {
+                const v16f t = vfms(d, vcvt(si[r][h]), vfmul(dmin, vcvt(sm[r][h])));
+                vfstore(acc[r] + 16 * h, vfma(vfset(x[r].du), t, vfload(acc[r] + 16 * h)));
+            }
+        }
+    }
+}
+
+/* A unit's codes, 8 blocks x 8 groups x (channels 0-15, 16-31) x 64 bytes, for passes over many rows. */
+KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
+    for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES + i, 0, 1);
+    for (int j = 0; j < unit_blocks(fmt); j++) {
+        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt);
+        for (int g = 0; g < 8; g++) {
+            v16i lo, hi;
+            group_codes(fmt, nib, nib + 512, g, &lo, &hi);
+            vstore(out + (j * 8 + g) * 128, lo);
+            vstore(out + (j * 8 + g) * 128 + 64, hi);
+        }
+    }
+}
+
+typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (and 32 x sums per 16) */
+    const int8_t *qx;
+    const float *du;
+    const int32_t *bs32, *o16;
+    int64_t K;
+} kacts_view;
+
+KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a, int64_t u,
+                      int64_t r0, int mr, float (*acc)[NR]) {
+    row_unit x[ROWS];
+    const int64_t K = a->K, uk = unit_k(fmt);
+    for (int r = 0; r < mr; r++) {
+        const int64_t row = r0 + r;
+        x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
+                          fmt == FMT_Q6_K ? a->o16 + row * (K / 16) + u * 16 : a->o16};
+    }
+    switch (mr) {   /* a constant row count per instance keeps the accumulators in registers */
+        case 1: unit_rows(fmt, 1, unit, decoded, x, acc); break;
+#if ROWS >= 4
+        case 2: unit_rows(fmt, 2, unit, decoded, x, acc); break;
+        case 3: unit_rows(fmt, 3, unit, decoded, x, acc); break;
+        default: unit_rows(fmt, 4, unit, decoded, x, acc); break;
+#endif
+    }
+}
+
+KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
+    const int64_t units = a->K / unit_k(fmt);
+    if (M <= ROWS) {
+        for (int64_t u = 0; u < units; u++) rows_of_unit(fmt, wp + u * unit_bytes(fmt), NULL, a, u, 0, (int)M, acc);
+        return;
+    }
+    _Alignas(64) uint8_t decoded[8 * 8 * 128];
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *unit = wp + u * unit_bytes(fmt);
+        decode_unit(fmt, unit, decoded);
+        for (int64_t r = 0; r < M; r += ROWS)
+            rows_of_unit(fmt, unit, decoded, a, u, r, (int)(M - r < ROWS ? M - r : ROWS), acc + r);
+    }
+}
+
+/* Rows [0, M) (at most 64) of one panel -> y columns [0, nc) (+ bias). Activations row r at offset r:
+ * the K-quants' as kq_quantize_row_k writes them, Q5_0's per 32 k (scale du, sum bs32; o16 unused). */
+void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const float *du, const int32_t *bs32,
+                const int32_t *o16, const float *bias, float *y, int64_t ldy, int64_t nc, int64_t M) {
+    float acc[64][NR];
+    memset(acc, 0, sizeof(float) * NR * (size_t)M);
+    const kacts_view a = {qx, du, bs32, o16, K};
+    switch (fmt) {
+        case FMT_Q5_0: panel_k(FMT_Q5_0, wp, &a, M, acc); break;
+        case FMT_Q4_K: panel_k(FMT_Q4_K, wp, &a, M, acc); break;
+        case FMT_Q5_K: panel_k(FMT_Q5_K, wp, &a, M, acc); break;
+        default: panel_k(FMT_Q6_K, wp, &a, M, acc); break;
+    }
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
+}
+
+/* This build's code path: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AVX2 with 256-bit VNNI. */
+int kq_isa(void) { return KQV_ISA; }
