@@ -239,6 +239,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """What the server compiles of a request's structured-output constraint; past a limit, a 400 naming it."""
+
+    max_bytes: int = 64 * 1024           # a schema's, grammar's or choice list's text
+    max_choices: int = 1024              # guided_choice options; enum and const values in a schema
+    max_regex_chars: int = 4096
+    timeout_s: float = 10.0              # a compile still running after it is refused (it runs on, unwaited)
+    max_concurrent_compiles: int = 2     # the threads compiling for the server; others wait for one
+    cache_size: int = 1024               # specs whose verdict (compiles, or why not) is kept
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_choices", "max_regex_chars", "max_concurrent_compiles", "cache_size"):
+            _positive(name, getattr(self, name))
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Settings of the HTTP server only; the engine never sees them."""
 
@@ -274,6 +292,7 @@ class ServerConfig:
     # A "Running / Waiting / KV cache / throughput" line this often while there is work, as vLLM
     # prints; 0 = never (vLLM's --disable-log-stats).
     stats_log_interval_s: float = 10.0
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:

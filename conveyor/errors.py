@@ -82,6 +82,16 @@ class ServerBusy(ConveyorError):
     code = "server_busy"
 
 
+class StorageFull(ConveyorError):
+    """The server could not store what was sent (a full or failing disk under --state-dir).
+
+    507 says why; OpenAI's clients treat it as their 500s (an InternalServerError, retried)."""
+
+    status = 507
+    error_type = "server_error"
+    code = "insufficient_storage"
+
+
 class ModelLoadError(ConveyorError):
     """A checkpoint that is missing, corrupt or of an unsupported architecture."""
 

@@ -15,6 +15,7 @@ from conveyor.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    GrammarLimits,
     ModelConfig,
     ReplicaConfig,
     ServerConfig,
@@ -101,6 +102,27 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="times a running request may give its place to a better-priority one (default 3)")
     group.add_argument("--log-level", default=None,
                        help="DEBUG, INFO, WARNING (default: WARNING for generate, INFO for serve)")
+
+
+def _add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    limits = GrammarLimits()
+    group = parser.add_argument_group("structured outputs", "what the server compiles of a request's JSON "
+                                      "schema, regex, choices or grammar; past a limit, a 400 naming it")
+    group.add_argument("--max-grammar-bytes", type=int, default=limits.max_bytes,
+                       help="longest schema, grammar or choice list, in bytes of its text")
+    group.add_argument("--max-grammar-choices", type=int, default=limits.max_choices,
+                       help="most guided_choice options, or enum and const values in one JSON schema")
+    group.add_argument("--max-regex-chars", type=int, default=limits.max_regex_chars, help="longest regex")
+    group.add_argument("--grammar-timeout", type=float, default=limits.timeout_s,
+                       help="seconds a grammar may take to compile before its request is refused")
+    group.add_argument("--grammar-compile-threads", type=int, default=limits.max_concurrent_compiles,
+                       help="grammars compiled at once; others wait for a thread (within --grammar-timeout)")
+
+
+def grammar_limits(args: argparse.Namespace) -> GrammarLimits:
+    return GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
+                         max_regex_chars=args.max_regex_chars, timeout_s=args.grammar_timeout,
+                         max_concurrent_compiles=args.grammar_compile_threads)
 
 
 def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--core-stall-timeout", type=float, default=ServerConfig.core_stall_timeout_s,
                        help="seconds the engine core may send nothing while requests wait on it; past it /health "
                             "answers 503 and the requests in flight fail with a 503 until it steps again (0 = off)")
+    _add_grammar_flags(serve)
     serve.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
                        help="seconds in-flight requests get to finish after SIGTERM before they fail")
     serve.add_argument("--disable-log-stats", dest="log_stats", action="store_false",
@@ -321,7 +344,8 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           enable_docs=args.enable_docs,
                           stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
-                          state_dir=args.state_dir, enable_dashboard=args.enable_dashboard)
+                          state_dir=args.state_dir, enable_dashboard=args.enable_dashboard,
+                          grammar=grammar_limits(args))
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
                      args.ray_address)
     if all(flag is None for flag in replica_flags):

@@ -33,6 +33,7 @@ class Request:
     max_tokens: int                      # resolved by admission: params.max_tokens or what the model length leaves
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0                    # lower runs first; FCFS among equals
+    is_background: bool = False          # yields its place to better priorities however often (batch jobs)
     tenant: str = ""                     # whose request: admissions are shared fairly between tenants
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

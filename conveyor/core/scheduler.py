@@ -316,7 +316,7 @@ class Scheduler:
     def _preempt_for_priority(self, preempted: list[str]) -> None:
         """Make room for the best waiting request by preempting running ones of a worse priority,
         when the batch is full or the KV cache cannot take its first chunk. A request preempted
-        max_priority_preemptions times is not picked again, so it cannot starve."""
+        max_priority_preemptions times is not picked again, so it cannot starve (a background one may be)."""
         if not self.waiting or not self.running or self.waiting[0].priority >= self.running[-1].priority:
             return
         candidate = self.waiting[0]
@@ -324,7 +324,7 @@ class Scheduler:
         while (len(self.running) >= self.config.max_num_seqs
                or not self.blocks.can_allocate(candidate, first_chunk)):
             victim = next((r for r in reversed(self.running) if r.priority > candidate.priority
-                           and r.num_preemptions < self.config.max_priority_preemptions), None)
+                           and (r.is_background or r.num_preemptions < self.config.max_priority_preemptions)), None)
             if victim is None:
                 return
             self._preempt(victim)

@@ -58,6 +58,7 @@ class AsyncEngine:
         self._queues: dict[str, OutputQueue] = {}
         self.max_requests_per_tenant = max_requests_per_tenant
         self._tenant_of: dict[str, str] = {}     # request id -> tenant, for requests in flight
+        self._batch_ids: set[str] = set()         # requests in flight that batch jobs sent (no limits)
         self.tenant_in_flight: dict[str, int] = {}
         self._num_in_transit = 0                # adds sent that the core has not reported yet
         self._started = False
@@ -115,23 +116,26 @@ class AsyncEngine:
         front's own open requests do not, so the smaller of the two is the fresher count.
         """
         reported = self.load.num_running + self.load.num_waiting + self._num_in_transit
-        in_core = min(reported, len(self._queues))
+        # Batch requests yield their slots to interactive ones (they run at the lowest priority).
+        in_core = max(0, min(reported, len(self._queues)) - len(self._batch_ids))
         return max(0, in_core + num_new - self.info.scheduler.max_num_seqs)
 
     def add(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
-            priority: int = 0, tenant: str = "") -> list[OutputQueue]:
+            priority: int = 0, tenant: str = "", is_batch: bool = False) -> list[OutputQueue]:
         """Admit and start a request's prompts in one synchronous block, so no other request can pass
         the same capacity check in between: raise for a request that could never run (400), past the
         waiting-queue bound (429), or while not accepting (503); else send them to the core and
-        return one output queue per prompt, for `outputs`."""
+        return one output queue per prompt, for `outputs`. A batch job's request (`is_batch`) skips
+        the waiting-queue and per-tenant bounds and is counted in neither: it yields to interactive ones."""
         arrival_s = self.clock()
-        core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant)
+        core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant,
+                                                 is_batch)
                          for request_id, prompt_token_ids in zip(request_ids, prompts, strict=True)]
         self._check_accepting()
-        limit = self.max_waiting_requests
+        limit = None if is_batch else self.max_waiting_requests
         if limit is not None and self.num_would_wait(len(prompts)) > limit:
             raise QueueFull(f"the server is at capacity ({limit} requests may wait for a batch slot); retry later")
-        per_tenant = self.max_requests_per_tenant
+        per_tenant = None if is_batch else self.max_requests_per_tenant
         in_flight = self.tenant_in_flight.get(tenant, 0)
         if per_tenant is not None and in_flight + len(prompts) > per_tenant:
             raise QueueFull(f"tenant {tenant or '(default)'!r} has {in_flight} requests in flight and may have "
@@ -140,8 +144,11 @@ class AsyncEngine:
         for request in core_requests:
             queue: OutputQueue = asyncio.Queue()
             self._queues[request.request_id] = queue
-            self._tenant_of[request.request_id] = tenant
-            self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
+            if is_batch:
+                self._batch_ids.add(request.request_id)
+            else:
+                self._tenant_of[request.request_id] = tenant
+                self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
             self.front.track(request)
         if not self._owed:   # the core was idle: its silence so far was no stall
@@ -187,6 +194,7 @@ class AsyncEngine:
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._batch_ids.discard(request_id)
         tenant = self._tenant_of.pop(request_id, None)
         if tenant is not None:
             left = self.tenant_in_flight[tenant] - 1

@@ -141,6 +141,7 @@ class EngineCore:
             eos_token_ids=core_request.eos_token_ids,
             priority=core_request.priority,
             tenant=core_request.tenant,
+            is_background=core_request.is_background,
             can_speculate=self.scheduler.num_speculative_tokens > 0,
         )
         if request.request_id in self._live:   # the scheduler does not see requests still compiling
@@ -323,12 +324,21 @@ class EngineCore:
             live = self._live.get(update.request_id)
             if live is None:
                 continue
-            if not self.structured.accept(update.request_id, update.new_token_ids):
-                deltas += self._fail_request(update.request_id, "internal error: a sampled token broke the "
-                                             "request's structured output grammar")
-                continue
-            entries = logprobs[update.request_id][:len(update.new_token_ids)]
-            delta = TokenDelta(update.request_id, update.new_token_ids,
+            new_token_ids = update.new_token_ids
+            num_accepted = self.structured.accept(update.request_id, new_token_ids)
+            if num_accepted < len(new_token_ids):
+                if not self.structured.is_dead_end(update.request_id):
+                    deltas += self._fail_request(update.request_id, "internal error: a sampled token broke the "
+                                                 "request's structured output grammar")
+                    continue
+                # The grammar needs text no token writes: it ends here, with what it accepted.
+                logger.info("request %s: its grammar allows no token of this vocabulary; it stops",
+                            update.request_id)
+                new_token_ids = new_token_ids[:num_accepted]
+                update.finish_reason, update.stop_reason = FinishReason.STOP, None
+                self.scheduler.finish(update.request_id, FinishReason.STOP)
+            entries = logprobs[update.request_id][:len(new_token_ids)]
+            delta = TokenDelta(update.request_id, new_token_ids,
                                entries if all(e is not None for e in entries) else [])
             if update.finish_reason is not None:
                 del self._live[update.request_id]

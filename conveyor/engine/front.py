@@ -41,11 +41,12 @@ class Front:
             self.grammars.compile(params.structured_outputs, param)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_s: float, priority: int = 0, tenant: str = "") -> CoreRequest:
+                     arrival_s: float, priority: int = 0, tenant: str = "", is_background: bool = False
+                     ) -> CoreRequest:
         """Admit one sequence (InvalidRequest / ContextLengthExceeded if it could never run) as a core request."""
         max_tokens = check_request(prompt_token_ids, params, self.info)
         return CoreRequest(request_id, prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids,
-                           arrival_s, priority, tenant)
+                           arrival_s, priority, tenant, is_background)
 
     def track(self, request: CoreRequest) -> None:
         """Turn this request's deltas into text from now on."""

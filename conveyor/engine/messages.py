@@ -36,6 +36,7 @@ class CoreRequest:
     arrival_s: float                 # time.monotonic() of the front: one clock for every process
     priority: int = 0
     tenant: str = ""                 # the OpenAI `user` or the X-Tenant header; "" = the default tenant
+    is_background: bool = False      # a batch job's line: preemptible for better priorities however often
 
 
 @dataclass(slots=True)

@@ -64,6 +64,14 @@ class GrammarCompiler:
         if self._compiler is None:
             self._make_tokenizer = make_tokenizer
 
+    @property
+    def is_built(self) -> bool:
+        return self._compiler is not None
+
+    def build(self) -> None:
+        """Build xgrammar's compiler now (seconds: it indexes the whole vocabulary) rather than in a first compile."""
+        self._get()
+
     def _get(self) -> Any:
         with self._lock:
             if self._compiler is None:
@@ -98,6 +106,16 @@ class GrammarCompiler:
             kind = spec.key.split(":", 1)[0]
             raise InvalidRequest(f"the {kind} constraint could not be compiled: {refusal_reason(exc)}",
                                  param=param) from None
+
+
+def can_start(compiled: Any, vocab_size: int) -> bool:
+    """Whether any token may open the grammar's text: a grammar that needs bytes the vocabulary has
+    no token for (some control characters, for one) compiles but leaves the sampler nothing to pick."""
+    xgr = _xgrammar()
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def refusal_reason(exc: Exception) -> str:
@@ -229,9 +247,23 @@ class StructuredOutputs:
             matcher.rollback(walked)
         return bitmask
 
-    def accept(self, request_id: str, token_ids: list[int]) -> bool:
-        """Advance the request's matcher by its emitted tokens; False if the grammar refuses one."""
+    def accept(self, request_id: str, token_ids: list[int]) -> int:
+        """Advance the request's matcher by its emitted tokens; how many it took (fewer: it refused one)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
-            return True
-        return all(matcher.is_terminated() or matcher.accept_token(t) for t in token_ids)
+            return len(token_ids)
+        for i, token_id in enumerate(token_ids):
+            if not (matcher.is_terminated() or matcher.accept_token(token_id)):
+                return i
+        return len(token_ids)
+
+    def is_dead_end(self, request_id: str) -> bool:
+        """True when the grammar is unfinished yet allows no token: it needs bytes no token of this
+        vocabulary writes, so the sampler had nothing to pick (its pick is then no token at all)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return False
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(1, self.compiler.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())

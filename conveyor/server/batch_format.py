@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,36 @@ class BatchLine:
     url: str | None = None
     body: dict[str, Any] | None = None
     error: str | None = None         # why the line is not a request
+    duplicate_of: int | None = None  # the earlier line with the same custom_id
+
+
+def split_lines(content: bytes) -> Iterator[tuple[int, str | None]]:
+    """(1-based number, text) of each non-blank line; text None for a line that is not UTF-8.
+
+    Lines end at \\n only: U+2028, U+0085 and a lone \\r are legal inside a JSON string, and
+    str.splitlines would cut a request in two there."""
+    for number, raw in enumerate(content.split(b"\n"), start=1):
+        if raw.strip():
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield number, None
+
+
+def parse_lines(numbered: Iterable[tuple[int, str | None]]) -> list[BatchLine]:
+    """Every line parsed; a custom_id seen before makes that line an error (OpenAI requires them unique)."""
+    lines: list[BatchLine] = []
+    first_of: dict[str, int] = {}
+    for number, text in numbered:
+        line = (parse_line(number, text) if text is not None
+                else BatchLine(number, f"line-{number}", error=f"line {number} is not valid UTF-8"))
+        if line.error is None:
+            first = first_of.setdefault(line.custom_id, number)
+            if first != number:
+                line.duplicate_of = first
+                line.error = f"custom_id {line.custom_id!r} is already used by line {first}; custom_ids must be unique"
+        lines.append(line)
+    return lines
 
 
 def parse_line(number: int, text: str) -> BatchLine:
@@ -35,6 +66,8 @@ def parse_line(number: int, text: str) -> BatchLine:
         line = json.loads(text)
     except ValueError as exc:
         return BatchLine(number, f"line-{number}", error=f"line {number} is not valid JSON: {exc}")
+    except RecursionError:
+        return BatchLine(number, f"line-{number}", error=f"line {number} is nested too deeply to parse")
     if not isinstance(line, dict):
         return BatchLine(number, f"line-{number}", error=f"line {number} is not a JSON object")
     custom_id = line.get("custom_id")

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from conveyor.config import GrammarLimits
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.off_loop import (
     THREAD_TOKENIZE_CHARS,
     encode_all,
@@ -52,7 +55,7 @@ from conveyor.server.responses import (
     TopLogprob,
     UsageInfo,
 )
-from conveyor.server.chat_tools import check_tool_schemas, template_input
+from conveyor.server.chat_tools import template_input
 from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 from conveyor.server.streaming import (
     DONE_EVENT,
@@ -81,8 +84,10 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         self.engine = engine
+        self.grammar_gate = GrammarGate(engine.grammars, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_prompt_chars = max_prompt_chars or engine.info.max_model_len * self.tokenizer.max_token_chars
@@ -127,15 +132,23 @@ class OpenAIServing:
         self.check_prompt_chars(len(text), "messages")
         return text
 
-    async def compile_grammar(self, params: SamplingParams, param: str) -> None:
-        """Compile the request's grammar off the event loop (cached by schema); 400 naming why it does not compile."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs, param)
+    async def compile_grammar(self, params: SamplingParams, param: str, request: Request) -> bool:
+        """Compile the request's grammar off the event loop, bounded (grammar_gate.py); 400 naming why it
+        does not compile. False when the client left meanwhile."""
+        if params.structured_outputs is None:
+            return True
+        try:
+            await until_disconnected(request, self.grammar_gate.admit(params.structured_outputs, param))
+        except ClientDisconnected:
+            logger.info("the client left while its grammar compiled")
+            return False
+        return True
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               tenant: str) -> PromptGroup:
+               tenant: str, request: Request) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
-        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant)
+        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
+                           is_batch_request(request.scope))
 
     async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
         async def collect() -> list[_Choice]:
@@ -171,7 +184,8 @@ class OpenAIServing:
         self.check_model(body.model)
         tenant = tenant_of(request, body.user)
         params = body.sampling_params()
-        await self.compile_grammar(params, body.constraint_field)
+        if not await self.compile_grammar(params, body.constraint_field, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         texts = body.prompts()
         check_choice_count(len(texts), params.n)
         num_chars = sum(len(p) for p in texts if isinstance(p, str))
@@ -180,7 +194,7 @@ class OpenAIServing:
         prompts = (await asyncio.to_thread(encode_all, self.tokenizer, texts) if num_chars > THREAD_TOKENIZE_CHARS
                    else encode_all(self.tokenizer, texts))
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
-        group = self._start("cmpl", prompts, params, body.priority, tenant)
+        group = self._start("cmpl", prompts, params, body.priority, tenant, request)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
@@ -257,13 +271,14 @@ class OpenAIServing:
         tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         if body.tools:
-            await asyncio.to_thread(check_tool_schemas, body.tools)
-        await self.compile_grammar(params, body.constraint_field)
+            await self.grammar_gate.check_tools(body.tools)
+        if not await self.compile_grammar(params, body.constraint_field, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, tenant)
+            group = self._start("chatcmpl", prompts, params, body.priority, tenant, request)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"

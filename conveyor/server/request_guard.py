@@ -26,6 +26,7 @@ from conveyor.errors import (
     ServerBusy,
     Unauthorized,
 )
+from conveyor.server.batch_api import is_batch_request
 from conveyor.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 from conveyor.server.live_view import EVENTS_PATH
 from conveyor.server.responses import ErrorInfo, ErrorResponse
@@ -95,7 +96,7 @@ class RequestGuard:
             replayed = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        if scope["path"] not in MODEL_PATHS:
+        if scope["path"] not in MODEL_PATHS or is_batch_request(scope):   # a batch job's line yields, never counts
             await self._answer_bugs(scope, replay, send)
             return
         if self.max_concurrency is not None and self.num_in_progress >= self.max_concurrency:

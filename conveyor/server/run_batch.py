@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from conveyor.config import EngineConfig, ServerConfig
-from conveyor.server.batch_format import BatchLine, parse_line, result_line
+from conveyor.server.batch_format import BatchLine, parse_lines, result_line, split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +41,9 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def read_lines(path: Path) -> Iterator[BatchLine]:
-    with path.open(encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if text.strip():
-                yield parse_line(number, text)
+def read_lines(path: Path) -> list[BatchLine]:
+    """The file's lines, split at \\n only; a repeated custom_id is that line's error."""
+    return parse_lines(split_lines(path.read_bytes()))
 
 
 async def run_lines(app: Any, lines: list[BatchLine], out: IO[str], concurrency: int, progress: Any) -> dict[str, int]:

@@ -47,13 +47,13 @@ class PromptGroup:
     """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
-                 params: SamplingParams, priority: int = 0, tenant: str = "") -> None:
+                 params: SamplingParams, priority: int = 0, tenant: str = "", is_batch: bool = False) -> None:
         self.group_id = group_id
         self.n = n = params.n
         self.num_prompts = len(prompt_token_ids) * n       # choices: what the response lists
         self._engine = engine
         self._prompts = prompt_token_ids
-        self._priority, self._tenant = priority, tenant
+        self._priority, self._tenant, self._is_batch = priority, tenant, is_batch
         self._request_ids = [f"{group_id}-{index}" for index in range(self.num_prompts)]
         self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -62,7 +62,7 @@ class PromptGroup:
         firsts = [i * n for i in range(len(prompt_token_ids))]
         # Every prompt's first choice in one add: the request is admitted whole or not at all.
         self._start(firsts, engine.add(prompt_token_ids, params.for_choice(0), [self._request_ids[k] for k in firsts],
-                                       priority, tenant))
+                                       priority, tenant, is_batch))
 
     def _start(self, indexes: list[int], queues: list[OutputQueue]) -> None:
         self._tasks += [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
@@ -78,7 +78,7 @@ class PromptGroup:
         try:
             for j, params in later:
                 self._start([first + j], self._engine.add([prompt], params, [self._request_ids[first + j]],
-                                                          self._priority, self._tenant))
+                                                          self._priority, self._tenant, self._is_batch))
         except ConveyorError as exc:
             started = {task.get_name() for task in self._tasks}
             for index in siblings:

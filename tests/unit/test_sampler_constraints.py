@@ -55,6 +55,17 @@ def test_only_allowed_tokens_are_sampled_greedy_and_random_while_free_rows_are_u
     assert batched.token_ids[3] == alone.token_ids[0]   # a free row does not feel its constrained mates
 
 
+@pytest.mark.parametrize("options", [dict(min_p=0.9), dict(top_k=2), dict(top_p=0.05), dict(logprobs=3),
+                                     dict(min_p=0.5, top_k=1, top_p=0.1, logprobs=0, repetition_penalty=2.0)])
+def test_filters_and_logprobs_never_pick_a_token_the_grammar_refuses(options: dict) -> None:
+    # The allowed tokens are the least likely ones: a filter applied before the mask would keep none of them.
+    raw = logits(2, seed=5)
+    allowed = set(raw[0].argsort()[:3].tolist()) & set(raw[1].argsort()[:3].tolist()) or {int(raw[0].argmin())}
+    rows = [row(SamplingParams(temperature=1.0, seed=seed, **options), allowed) for seed in (1, 2)]
+    for _ in range(30):
+        assert set(Sampler().sample(raw, rows).token_ids) <= allowed
+
+
 def test_grammar_end_wins_over_min_tokens() -> None:
     """At the grammar's end only eos is allowed; min_tokens must not leave a row with nothing to sample."""
     params = SamplingParams(temperature=0, min_tokens=10, max_tokens=20)

@@ -126,3 +126,18 @@ def test_a_request_is_preempted_for_priority_a_bounded_number_of_times() -> None
     assert plan.preempted_ids == () and list(plan.num_scheduled_tokens) == ["victim"]
     run_to_completion(sched)
     assert victim.num_preemptions == 2 and len(victim.output_token_ids) == 40
+
+
+def test_a_background_request_yields_to_better_priorities_however_often() -> None:
+    sched = make(max_num_seqs=1, max_priority_preemptions=1)
+    line = make_request("batch-line", max_tokens=40, priority=2**31)
+    line.is_background = True
+    sched.add(line)
+    step(sched)
+    for i in range(4):   # past max_priority_preemptions, a batch job's line still gives way
+        sched.add(make_request(f"urgent{i}", max_tokens=1, priority=0))
+        plan, _ = step(sched)
+        assert plan.preempted_ids == ("batch-line",)
+        step(sched)
+    run_to_completion(sched)
+    assert line.num_preemptions == 4 and len(line.output_token_ids) == 40
