@@ -67,7 +67,7 @@ else
 fi
 
 # 4. The F32 GGUF made from the bundled Q4_1 file.
-Q4_1="$("$PYTHON" -c 'from conveyor.model.loader import default_model_path; print(default_model_path())')"
+Q4_1="$("$PYTHON" -c 'from conveyor.model.checkpoint import default_model_path; print(default_model_path())')"
 F32="$BUILD_DIR/SmolLM2-135M-Instruct.F32.gguf"
 if [[ ! -s "$F32" ]]; then
     log "requantizing $Q4_1 -> $F32"
