@@ -10,6 +10,7 @@ own format, sharing one quantization of the activations (a fused q/k/v whose par
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,7 +109,7 @@ def repack(built: KernelLibrary, fmt: str, raw: np.ndarray, n: int, k: int,
     raw = raw if raw.flags.c_contiguous else np.ascontiguousarray(raw)
     order = None if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     size = lib.kq_packed_bytes(FORMATS[fmt], n, k)
-    data = torch.empty(size, dtype=torch.uint8)
+    data = _weight_buffer(size)
     status = lib.kq_repack(FORMATS[fmt], raw.ctypes.data, raw.shape[1] if raw.ndim == 2 else raw.nbytes // n,
                            None if order is None else order.ctypes.data, n, k, data.data_ptr(),
                            num_threads or threads.num_threads())
@@ -117,6 +118,27 @@ def repack(built: KernelLibrary, fmt: str, raw: np.ndarray, n: int, k: int,
     if fmt in LEGACY:   # quant.c's (P, K/32, block bytes) view
         data = data.view(-(-n // PANEL), k // QK, BLOCK_BYTES[fmt])
     return QuantWeight(fmt, n, k, data)
+
+
+_HUGE_PAGE = 2 << 20
+_libc = None
+
+
+def _weight_buffer(size: int) -> torch.Tensor:
+    """An uninitialised buffer for a repacked weight, backed by 2 MiB pages where the kernel allows
+    (transparent huge pages on request): a decode step streams every weight once, and 4 KiB pages
+    cost it a page walk every 4 KiB."""
+    global _libc
+    if size < _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.empty(size, dtype=torch.uint8)
+    data = torch.empty(size + _HUGE_PAGE, dtype=torch.uint8)   # the pages outside the slice are never touched
+    start = (-data.data_ptr()) % _HUGE_PAGE
+    data = data[start:start + size]
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise(data.data_ptr(), size // _HUGE_PAGE * _HUGE_PAGE, 14)   # MADV_HUGEPAGE: advice, may be ignored
+    return data
 
 
 def pack(fmt: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> QuantWeight:
