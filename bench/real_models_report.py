@@ -96,7 +96,7 @@ def table(name: str, file_bytes: int, sizes, systems: dict[str, dict], compariso
 
 def plot(results: dict[str, dict], path: Path) -> str | None:
     """One panel per metric in its own unit; in each, one group of bars per file and one bar per system
-    that ran on it."""
+    that ran on it, the file's name above conveyor's ratio to the best peer."""
     try:
         import matplotlib
     except ImportError:
@@ -118,12 +118,19 @@ def plot(results: dict[str, dict], path: Path) -> str | None:
                           [float("nan") if v is None else v for v in values], width, label=system)
             ax.bar_label(bars, fmt="%.3g", fontsize=6)
         ax.set_title(f"{label}\n({'higher' if higher else 'lower'} is better)", fontsize=8)
-        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(results))], list(results), fontsize=6)
+        ticks = []
+        for file, result in results.items():
+            best = result.get("comparison", {}).get("best_peer", {}).get(key)
+            ratio = best["ratio"] if best else None
+            ticks.append(f"{file}\nconveyor {ratio:.2f}x vs {best['system']}" if ratio else file)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(results))], ticks, fontsize=6)
         ax.tick_params(axis="y", labelsize=7)
     for ax in list(axes.flat)[len(METRICS):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower right", fontsize=8)
+    spare = list(axes.flat)[len(METRICS):]
+    (spare[0] if spare else fig).legend(handles, labels, loc="center", fontsize=8,
+                                        title="ratios > 1: conveyor is better", title_fontsize=7)
     fig.suptitle("conveyor serve and its peers on the same GGUF file")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
