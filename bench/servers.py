@@ -1,4 +1,5 @@
-"""Server processes under test: `conveyor serve` and llama.cpp's `llama-server`, each on a free loopback port.
+"""Server processes under test: `conveyor serve`, llama.cpp's `llama-server` and ik_llama.cpp's, each on
+a free loopback port.
 
 `launched(cmd, ...)` starts one, waits for /health and always ends it (SIGTERM, then SIGKILL). Its
 log goes to a file next to the results, so a failed start can be diagnosed. It times the start
