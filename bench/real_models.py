@@ -108,13 +108,17 @@ def conveyor_server(model: Path, args: argparse.Namespace) -> Server:
         lambda _p, _c: kv, sweeps_parallel=False)
 
 
-def llama_server(llama: servers.LlamaCpp | servers.IkLlama, model: Path, threads: int, arch) -> Server:  # noqa: ANN001
+def llama_server(llama: servers.LlamaCpp | servers.IkLlama, model: Path, threads: int, arch,  # noqa: ANN001
+                 log_dir: Path) -> Server:
     """llama-server or ik_llama's; `arch`: the file's ModelArch, None where conveyor cannot read it (the KV
-    size goes unreported)."""
+    size goes unreported). ik_llama's trace log goes to `log_dir` (its last start's)."""
     per_token = arch.kv_bytes_per_token * 2 if arch is not None else None   # f16 K and V, both servers' default
-    name = llama.name if isinstance(llama, servers.IkLlama) else "llama-server"
-    return Server(name, lambda port, p, c: llama.command(port, model, parallel=p, ctx_per_slot=c, threads=threads),
-                  lambda p, c: p * c * per_token if per_token else None, sweeps_parallel=True)
+    ik = isinstance(llama, servers.IkLlama)
+    extra = {"trace_log": log_dir / f"{model.stem}-{llama.name}-trace"} if ik else {}
+    name = llama.name if ik else "llama-server"
+    command = lambda port, p, c: llama.command(port, model, parallel=p, ctx_per_slot=c,  # noqa: E731
+                                               threads=threads, **extra)
+    return Server(name, command, lambda p, c: p * c * per_token if per_token else None, sweeps_parallel=True)
 
 
 def find_peers(args: argparse.Namespace) -> dict[str, servers.LlamaCpp | servers.IkLlama | str]:
@@ -273,7 +277,8 @@ def main() -> None:
             if isinstance(peer, str):
                 systems[name] = {"skipped": peer}
                 continue
-            server = conveyor_server(model, args) if peer is None else llama_server(peer, model, args.threads, arch)
+            server = conveyor_server(model, args) if peer is None else \
+                llama_server(peer, model, args.threads, arch, args.log_dir)
             measurement = Measurement(server, model, sizes, args.log_dir, vocab_high)
             try:
                 systems[name] = measurement.run(greedy)

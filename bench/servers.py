@@ -249,9 +249,11 @@ class IkLlama:
         return binary_output(self.server, "--help")
 
     def command(self, port: int, gguf: Path, *, parallel: int, ctx_per_slot: int, threads: int,
-                help_text: str | None = None) -> list[str]:
+                help_text: str | None = None, trace_log: Path | None = None) -> list[str]:
         """As LlamaCpp.command, with the flags this build's --help names (`help_text`: given, or asked of
-        the binary); flash attention is its default. Raises ValueError for -rtr on a build without it."""
+        the binary); flash attention is its default. `trace_log`: where its trace log goes (it adds
+        ".log"; without it, llama.log in the working directory). Raises ValueError for -rtr on a build
+        without it."""
         flags = help_flags(self.help_text() if help_text is None else help_text)
         cmd = [str(self.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
@@ -262,6 +264,8 @@ class IkLlama:
             cmd += ["-cb"]
         if "--no-webui" in flags:
             cmd += ["--no-webui"]
+        if trace_log is not None and "--log-file" in flags:
+            cmd += ["--log-file", str(trace_log)]
         if self.repack:
             if "-rtr" not in flags:
                 raise ValueError(f"{self.server} has no -rtr in its --help")

@@ -181,6 +181,7 @@ IK_HELP = """usage: llama-server [options]
   -rtr,   --run-time-repack           repack tensors if interleaved variant is available
          --fit-margin N               safety margin in MiB when auto-fitting model offloading
          --webui NAME                 which webui to serve
+         --log-file FNAME             Specify a log filename (without extension)
 """
 
 
@@ -198,7 +199,8 @@ def test_ik_llama_command_from_help() -> None:
                    "-np", "4", "-c", "400", "-t", "2", "-tb", "2", "-ngl", "0", "-cram", "0", "-cb"]
     rtr = IkLlama(plain.server, plain.src_dir, repack=True)
     assert rtr.name == "ik-llama-rtr"
-    assert rtr.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=IK_HELP)[-1] == "-rtr"
+    assert rtr.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=IK_HELP,
+                       trace_log=Path("/logs/m-trace"))[-3:] == ["--log-file", "/logs/m-trace", "-rtr"]
     older = "\n".join(line for line in IK_HELP.splitlines() if "-rtr" not in line and "-cram" not in line)
     assert "-cram" not in plain.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=older)
     with pytest.raises(ValueError, match="-rtr"):
