@@ -1,25 +1,29 @@
-"""conveyor serve and llama-server on the GGUF files users bring, one system at a time, same threads.
+"""conveyor serve and its peers on the GGUF files users bring, one system at a time, same threads.
 
     python -m bench.real_models --model FILE.gguf [--model FILE2.gguf ...]
     python -m bench.real_models --model FILE.gguf --quick      # fewer requests and tokens: a smoke pass
+    python -m bench.real_models --model FILE.gguf --peers-dir DIR --ik-dir IK_DIR
 
 conveyor runs as `conveyor serve` with its defaults (engine core in its own process), given only
---threads (and --conveyor-quantization / --conveyor-kv-cache-memory / --conveyor-device when asked); llama-server
-serves the same file with the same threads, `--cache-ram 0 -fit off`. Per file and system:
+--threads (and --conveyor-quantization / --conveyor-kv-cache-memory / --conveyor-device when asked). The
+peers serve the same file with the same threads: llama-server (`--cache-ram 0 -fit off`), ik_llama.cpp's
+llama-server as ik-llama (`-cram 0 -cb`, flash attention its default) and ik-llama-rtr (the same with
+-rtr: tensors repacked to interleaved rows at load). A peer not built is skipped. Per file and system:
 
   load     process start -> /health answers 200: the first start in this run, then a second (warm) start
            with the file in the page cache (the first start may find it cached by an earlier system)
   memory   peak RSS summed over the server and all its children, sampled every 50 ms through all of
            its starts; beside it the KV cache it was configured with (conveyor --kv-cache-memory,
-           llama-server -c x f16 K and V per token), to check peak <= file + KV cache + 1 GiB
-  decode   requests of 128 output tokens one at a time (llama-server -np 1): 1000 / mean TPOT
+           the peers' -c x f16 K and V per token), to check peak <= file + KV cache + 1 GiB
+  decode   requests of 128 output tokens one at a time (peers -np 1): 1000 / mean TPOT
   prompt   a 512-token prompt alone: TTFT and prompt tokens / TTFT (median of the repeats)
-  batch    16 requests at once (100-300 token prompts, 64 out): output tok/s; llama-server's best -np of 4, 8, 16
+  batch    16 requests at once (100-300 token prompts, 64 out): output tok/s; each peer's best -np of 4, 8, 16
   greedy   the greedy text of 8 chat prompts, up to 16 tokens or the end of the turn (the model's own
-           tokenizer and chat template), compared exactly
+           tokenizer and chat template), conveyor's compared exactly with each peer's
 
-Prompts are token ids (seeded), output fixed by ignore_eos. A table of conveyor/llama-server ratios is
-printed; JSON (command, machine, versions) and a PNG of the ratios go to --out-dir (docs/bench).
+Prompts are token ids (seeded), output fixed by ignore_eos. A table of every system's figures and
+conveyor's ratio to the best peer per metric is printed; JSON (command, machine, versions, peer
+commits) and a PNG of the figures go to --out-dir (docs/bench).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from bench import report, servers
+from bench.real_models_report import compare, peers_that_ran, plot, table
 from bench.client import ServingRun, greedy_text, run_serving
 from bench.limits import model_arch
 from bench.metrics import summarize
@@ -43,7 +48,7 @@ from conveyor.model.checkpoint import is_gguf
 
 GIB = 1024 ** 3
 MEMORY_INTERVAL_S = 0.05
-SYSTEMS = ("conveyor", "llama-server")
+SYSTEMS = ("conveyor", "llama-server", "ik-llama", "ik-llama-rtr")
 CHAT_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
                 "Explain what a hash map is in one sentence.", "Name three prime numbers.",
                 "What does HTTP stand for?", "Translate 'good morning' into Spanish.",
@@ -103,12 +108,29 @@ def conveyor_server(model: Path, args: argparse.Namespace) -> Server:
         lambda _p, _c: kv, sweeps_parallel=False)
 
 
-def llama_server(llama: servers.LlamaCpp, model: Path, threads: int, arch) -> Server:  # noqa: ANN001
-    """`arch`: the file's ModelArch, None where conveyor cannot read it (the KV size goes unreported)."""
-    per_token = arch.kv_bytes_per_token * 2 if arch is not None else None   # f16 K and V, llama-server's default
-    return Server("llama-server", lambda port, p, c: llama.command(port, model, parallel=p, ctx_per_slot=c,
-                                                                   threads=threads),
-                  lambda p, c: p * c * per_token if per_token else None, sweeps_parallel=True)
+def llama_server(llama: servers.LlamaCpp | servers.IkLlama, model: Path, threads: int, arch,  # noqa: ANN001
+                 log_dir: Path) -> Server:
+    """llama-server or ik_llama's; `arch`: the file's ModelArch, None where conveyor cannot read it (the KV
+    size goes unreported). ik_llama's trace log goes to `log_dir` (its last start's)."""
+    per_token = arch.kv_bytes_per_token * 2 if arch is not None else None   # f16 K and V, both servers' default
+    ik = isinstance(llama, servers.IkLlama)
+    extra = {"trace_log": log_dir / f"{model.stem}-{llama.name}-trace"} if ik else {}
+    name = llama.name if ik else "llama-server"
+    command = lambda port, p, c: llama.command(port, model, parallel=p, ctx_per_slot=c,  # noqa: E731
+                                               threads=threads, **extra)
+    return Server(name, command, lambda p, c: p * c * per_token if per_token else None, sweeps_parallel=True)
+
+
+def find_peers(args: argparse.Namespace) -> dict[str, servers.LlamaCpp | servers.IkLlama | str]:
+    """Each peer's build, or why it is absent."""
+    ik_dir = args.ik_dir or args.peers_dir / "ik"
+    llama = servers.LlamaCpp.find(args.peers_dir)
+    peers: dict[str, servers.LlamaCpp | servers.IkLlama | str] = {
+        "llama-server": llama or f"llama-server not found under {args.peers_dir}/llama.cpp: {servers.BUILD_HINT}"}
+    for name in ("ik-llama", "ik-llama-rtr"):
+        ik = servers.IkLlama.find(ik_dir, repack=name == "ik-llama-rtr")
+        peers[name] = ik or f"ik_llama.cpp's llama-server not found at {ik_dir}/build/bin: {servers.IK_BUILD_HINT}"
+    return peers
 
 
 def chat_prompts(model: Path, count: int) -> list[list[int]]:
@@ -213,95 +235,11 @@ class Measurement:
                 "failed": fig["failed"], "ttft_p50_ms": fig["ttft_ms"]["p50"], "tpot_mean_ms": fig["tpot_ms"]["mean"]}
 
 
-# (a system's figure, its label, is higher better)
-METRICS = (("load_first_s", "load, first start (s)", False),
-           ("load_warm_s", "load, warm start (s)", False),
-           ("peak_rss_gib", "peak RSS (GiB)", False),
-           ("decode_tok_s", "decode, 1 stream (tok/s)", True),
-           ("prompt_ttft_ms", "prompt alone: TTFT (ms)", False),
-           ("prompt_tok_s", "prompt alone (tok/s)", True),
-           ("batch_output_tok_s", "requests at once: output (tok/s)", True))
-
-
-def compare(systems: dict[str, dict]) -> dict:
-    """conveyor / llama-server for each metric, and how many greedy texts agree."""
-    ours, theirs = systems.get("conveyor", {}), systems.get("llama-server", {})
-    ratios = {}
-    for key, _, _ in METRICS:
-        a, b = ours.get(key), theirs.get(key)
-        ratios[key] = a / b if a is not None and b else None
-    out: dict = {"ratios": ratios}
-    if ours.get("greedy_texts") and theirs.get("greedy_texts"):
-        same = [x == y for x, y in zip(ours["greedy_texts"], theirs["greedy_texts"])]
-        out["greedy_agreement"] = {"identical": sum(same), "prompts": len(same), "per_prompt": same}
-    return out
-
-
-def table(name: str, file_bytes: int, sizes: Sizes, systems: dict[str, dict], comparison: dict) -> str:
-    ours, theirs = systems.get("conveyor", {}), systems.get("llama-server", {})
-
-    def cell(value: float | None, digits: int = 2) -> str:
-        return "-" if value is None else f"{value:,.{digits}f}"
-
-    lines = [f"{name} ({file_bytes / GIB:.2f} GiB)",
-             f"  {'':36s} {'conveyor':>10s} {'llama-server':>13s} {'conveyor/llama':>15s}"]
-    for key, label, higher in METRICS:
-        ratio = comparison["ratios"][key]
-        lines.append(f"  {label:36s} {cell(ours.get(key)):>10s} {cell(theirs.get(key)):>13s} "
-                     f"{cell(ratio) + 'x' if ratio else '-':>15s}  ({'higher' if higher else 'lower'} is better)")
-    for key, label in (("kv_cache_gib", "KV cache configured (GiB)"), ("memory_budget_gib", "file + KV + 1 GiB")):
-        lines.append(f"  {label:36s} {cell(ours.get(key)):>10s} {cell(theirs.get(key)):>13s}")
-    marks = {True: "yes", False: "NO", None: "-"}
-    lines.append(f"  {'peak RSS within file + KV + 1 GiB':36s} {marks[ours.get('memory_within_budget')]:>10s} "
-                 f"{marks[theirs.get('memory_within_budget')]:>13s}")
-    if theirs.get("batch"):
-        lines.append(f"  ({sizes.batch_requests} requests at once; llama-server's best -np: "
-                     f"{theirs['batch']['best_parallel']} of {', '.join(map(str, sizes.llama_parallel))})")
-    agreement = comparison.get("greedy_agreement")
-    if agreement:
-        lines.append(f"  greedy text (up to {sizes.greedy_tokens} tokens) identical on "
-                     f"{agreement['identical']}/{agreement['prompts']} chat prompts")
-    for system, fig in systems.items():
-        if fig.get("skipped"):
-            lines.append(f"  {system} skipped: {fig['skipped']}")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, dict], path: Path) -> str | None:
-    """Grouped bars of the conveyor/llama-server ratios, one group per metric, one bar per file."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    labels = [f"{label}\n({'higher' if higher else 'lower'} is better)" for _, label, higher in METRICS]
-    fig, ax = plt.subplots(figsize=(12, 5))
-    width = 0.8 / max(1, len(results))
-    for i, (name, result) in enumerate(results.items()):
-        ratios = [result["comparison"]["ratios"][key] or float("nan") for key, _, _ in METRICS]
-        bars = ax.bar([x + i * width for x in range(len(METRICS))], ratios, width, label=name)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")   # 0.5x and 2x the same distance from parity
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
-    ax.set_xticks([x + width * (len(results) - 1) / 2 for x in range(len(METRICS))], labels, fontsize=7)
-    ax.set_ylabel("conveyor / llama-server")
-    ax.set_title("conveyor serve vs llama-server on the same GGUF file")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.real_models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, help="a GGUF file; repeat for more")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of conveyor, llama-server")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each system")
     p.add_argument("--quick", action="store_true", help="a short smoke pass: fewer requests and tokens")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -309,7 +247,10 @@ def main() -> None:
     p.add_argument("--conveyor-quantization", default=None, help="conveyor's --quantization (default: its own)")
     p.add_argument("--conveyor-kv-cache-memory", default=None, help="conveyor's --kv-cache-memory (default: its own)")
     p.add_argument("--conveyor-device", default="cpu", help="conveyor's --device (cuda: on a GPU)")
-    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR, help="where build_llama_cpp.sh built")
+    p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR,
+                   help="where build_llama_cpp.sh built (llama.cpp/build/bin/llama-server under it)")
+    p.add_argument("--ik-dir", type=Path, default=None,
+                   help="ik_llama.cpp's source tree, built in build/ (default: <peers-dir>/ik)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/real_models"))
     args = p.parse_args()
@@ -317,7 +258,7 @@ def main() -> None:
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := set(chosen) - set(SYSTEMS):
         raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-    llama = servers.LlamaCpp.find(args.peers_dir)
+    peers = find_peers(args)
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {sizes}", flush=True)
     results: dict[str, dict] = {}
     for model in map(Path, args.model):
@@ -332,11 +273,12 @@ def main() -> None:
         greedy = chat_prompts(model, sizes.greedy_prompts)
         systems: dict[str, dict] = {}
         for name in chosen:   # one after the other, never beside each other
-            if name == "llama-server" and llama is None:
-                systems[name] = {"skipped": f"llama-server not found under {args.peers_dir}: {servers.BUILD_HINT}"}
+            peer = peers.get(name)
+            if isinstance(peer, str):
+                systems[name] = {"skipped": peer}
                 continue
-            server = conveyor_server(model, args) if name == "conveyor" else \
-                llama_server(llama, model, args.threads, arch)
+            server = conveyor_server(model, args) if peer is None else \
+                llama_server(peer, model, args.threads, arch, args.log_dir)
             measurement = Measurement(server, model, sizes, args.log_dir, vocab_high)
             try:
                 systems[name] = measurement.run(greedy)
@@ -346,13 +288,18 @@ def main() -> None:
         results[model.name] = {"path": str(model), "file_bytes": model.stat().st_size, "systems": systems,
                                "comparison": compare(systems)}
         print(table(model.name, model.stat().st_size, sizes, systems, results[model.name]["comparison"]), flush=True)
+    llama = peers["llama-server"]
     out = report.save_run("real-models", args.out_dir, {
         "threads": args.threads, "sizes": dataclasses.asdict(sizes), "systems": chosen,
+        "peers": {name: {"skipped": peer} if isinstance(peer, str) else
+                  {"server": str(peer.server), "commit": peer.commit()}
+                  for name, peer in peers.items() if name in chosen},
         "conveyor_quantization": args.conveyor_quantization or "conveyor's default",
         "conveyor_kv_cache_memory": args.conveyor_kv_cache_memory or "conveyor's default",
         "conveyor_device": args.conveyor_device,
-        "memory_interval_s": MEMORY_INTERVAL_S, "results": results}, llama.commit() if llama else None)
-    if "llama-server" in chosen and llama is not None:
+        "memory_interval_s": MEMORY_INTERVAL_S, "results": results},
+        llama.commit() if "llama-server" in chosen and not isinstance(llama, str) else None)
+    if any(peers_that_ran(result["systems"]) for result in results.values()):
         png = plot(results, out.with_suffix(".png"))
         print(f"PNG: {png}" if png else "no PNG: matplotlib is not installed (pip install -e '.[bench]')")
 

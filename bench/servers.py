@@ -1,4 +1,5 @@
-"""Server processes under test: `conveyor serve` and llama.cpp's `llama-server`, each on a free loopback port.
+"""Server processes under test: `conveyor serve`, llama.cpp's `llama-server` and ik_llama.cpp's, each on
+a free loopback port.
 
 `launched(cmd, ...)` starts one, waits for /health and always ends it (SIGTERM, then SIGKILL). Its
 log goes to a file next to the results, so a failed start can be diagnosed. It times the start
@@ -151,6 +152,20 @@ def conveyor_command(port: int, *, model: str | None, threads: int, max_num_seqs
 # ----------------------------------------------------------------------------- llama.cpp
 
 
+def binary_output(server: Path, flag: str) -> str:
+    """stdout and stderr of `server flag` ("" where it cannot run)."""
+    try:
+        out = subprocess.run([str(server), flag], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout + out.stderr
+
+
+def binary_version(server: Path) -> str:
+    match = re.search(r"version: .*", binary_output(server, "--version"))
+    return match.group(0) if match else "unknown"
+
+
 @dataclass(frozen=True)
 class LlamaCpp:
     server: Path
@@ -175,19 +190,10 @@ class LlamaCpp:
         return self.version()
 
     def version(self) -> str:
-        try:
-            out = subprocess.run([str(self.server), "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"unknown ({exc})"
-        match = re.search(r"version: .*", out.stdout + out.stderr)
-        return match.group(0) if match else "unknown"
+        return binary_version(self.server)
 
     def help_text(self) -> str:
-        try:
-            out = subprocess.run([str(self.server), "--help"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return out.stdout + out.stderr
+        return binary_output(self.server, "--help")
 
     def command(self, port: int, gguf: Path, *, parallel: int, ctx_per_slot: int, threads: int) -> list[str]:
         """Continuous batching over `parallel` slots, each with room for the longest request."""
@@ -200,6 +206,71 @@ class LlamaCpp:
         if "--cont-batching" in flags:
             cmd += ["--cont-batching"]
         return [c for c in cmd if c != "--no-webui" or "--no-webui" in flags]
+
+
+# ----------------------------------------------------------------------------- ik_llama.cpp
+
+IK_BUILD_HINT = "build ik_llama.cpp there (cmake -B build && cmake --build build --target llama-server)"
+
+
+def help_flags(help_text: str) -> set[str]:
+    """The flags a server's --help names, as whole tokens: a substring test would take ik_llama's
+    `--fit-margin` for llama-server's `-fit`."""
+    return set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", help_text))
+
+
+@dataclass(frozen=True)
+class IkLlama:
+    """ik_llama.cpp's llama-server, plain or with `-rtr` (tensors repacked to interleaved rows at load)."""
+
+    server: Path
+    src_dir: Path
+    repack: bool = False
+
+    @property
+    def name(self) -> str:
+        return "ik-llama-rtr" if self.repack else "ik-llama"
+
+    @classmethod
+    def find(cls, ik_dir: Path, repack: bool = False) -> IkLlama | None:
+        server = ik_dir / "build" / "bin" / "llama-server"
+        return cls(server, ik_dir, repack) if server.is_file() else None
+
+    def commit(self) -> str:
+        """The snapshot's "<sha> <date>" line, else the binary's claim."""
+        snapshot = self.src_dir / "SNAPSHOT"
+        if snapshot.is_file():
+            lines = snapshot.read_text().strip().splitlines()
+            if lines:
+                return lines[0].strip()
+        return binary_version(self.server)
+
+    def help_text(self) -> str:
+        return binary_output(self.server, "--help")
+
+    def command(self, port: int, gguf: Path, *, parallel: int, ctx_per_slot: int, threads: int,
+                help_text: str | None = None, trace_log: Path | None = None) -> list[str]:
+        """As LlamaCpp.command, with the flags this build's --help names (`help_text`: given, or asked of
+        the binary); flash attention is its default. `trace_log`: where its trace log goes (it adds
+        ".log"; without it, llama.log in the working directory). Raises ValueError for -rtr on a build
+        without it."""
+        flags = help_flags(self.help_text() if help_text is None else help_text)
+        cmd = [str(self.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+               "-ngl", "0"]
+        if "-cram" in flags or "--cache-ram" in flags:   # its host prompt cache would answer repeats from memory
+            cmd += ["-cram", "0"]
+        if "-cb" in flags:
+            cmd += ["-cb"]
+        if "--no-webui" in flags:
+            cmd += ["--no-webui"]
+        if trace_log is not None and "--log-file" in flags:
+            cmd += ["--log-file", str(trace_log)]
+        if self.repack:
+            if "-rtr" not in flags:
+                raise ValueError(f"{self.server} has no -rtr in its --help")
+            cmd += ["-rtr"]
+        return cmd
 
 
 # ----------------------------------------------------------------------------- both systems on one file

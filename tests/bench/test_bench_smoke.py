@@ -169,3 +169,51 @@ def test_model_file_is_the_llama_peer(tmp_path: Path) -> None:
         assert (args.conveyor_dtype, args.conveyor_quantization) == expected
     assert peer_family(argparse.Namespace(model=str(gguf), conveyor_quantization=None)) == MODEL_PEER
     assert peer_family(argparse.Namespace(model=str(folder), conveyor_quantization="none")) == "llama-server-f32"
+
+
+IK_HELP = """usage: llama-server [options]
+  -t,    --threads N                  number of threads to use during generation (default: 8)
+  -tb,   --threads-batch N            number of threads to use during batch and prompt processing
+  -cram, --cache-ram N                set the maximum cache size in MiB (default: 8192, -1 - no limit, 0 - disable)
+  -cram-n-min N, --cache-ram-n-min N  minimum number of the cached tokens that triggers prompt cache
+  -fa, --flash-attn (auto|on|off|0|1) set Flash Attention (default: on)
+  -cb,   --cont-batching              enable continuous batching (a.k.a dynamic batching) (default: enabled)
+  -rtr,   --run-time-repack           repack tensors if interleaved variant is available
+         --fit-margin N               safety margin in MiB when auto-fitting model offloading
+         --webui NAME                 which webui to serve
+         --log-file FNAME             Specify a log filename (without extension)
+"""
+
+
+def test_ik_llama_command_from_help() -> None:
+    """ik_llama's flags come from its --help as whole tokens: `--fit-margin` is no `-fit`, `--webui` no
+    `--no-webui`; -rtr only in the repacking config, and refused by a build that lacks it."""
+    from bench.servers import IkLlama, help_flags
+
+    assert {"-cram", "--cache-ram", "-cram-n-min", "-rtr", "--fit-margin"} <= help_flags(IK_HELP)
+    assert "-fit" not in help_flags(IK_HELP) and "-zero" not in help_flags("non-zero")
+    plain = IkLlama(Path("/ik/build/bin/llama-server"), Path("/ik"))
+    assert plain.name == "ik-llama" and plain.commit() == "unknown"
+    cmd = plain.command(8080, Path("m.gguf"), parallel=4, ctx_per_slot=100, threads=2, help_text=IK_HELP)
+    assert cmd == ["/ik/build/bin/llama-server", "-m", "m.gguf", "--host", "127.0.0.1", "--port", "8080",
+                   "-np", "4", "-c", "400", "-t", "2", "-tb", "2", "-ngl", "0", "-cram", "0", "-cb"]
+    rtr = IkLlama(plain.server, plain.src_dir, repack=True)
+    assert rtr.name == "ik-llama-rtr"
+    assert rtr.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=IK_HELP,
+                       trace_log=Path("/logs/m-trace"))[-3:] == ["--log-file", "/logs/m-trace", "-rtr"]
+    older = "\n".join(line for line in IK_HELP.splitlines() if "-rtr" not in line and "-cram" not in line)
+    assert "-cram" not in plain.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=older)
+    with pytest.raises(ValueError, match="-rtr"):
+        rtr.command(8080, Path("m.gguf"), parallel=1, ctx_per_slot=64, threads=2, help_text=older)
+
+
+def test_ik_llama_found_with_its_snapshot(tmp_path: Path) -> None:
+    from bench.servers import IkLlama
+
+    assert IkLlama.find(tmp_path) is None
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "build" / "bin" / "llama-server").write_text("")
+    (tmp_path / "SNAPSHOT").write_text("8337e4cd3861406fc04e0854b1409cd1b027fbc9 2026-08-15\n")
+    found = IkLlama.find(tmp_path, repack=True)
+    assert found is not None and found.repack
+    assert found.commit() == "8337e4cd3861406fc04e0854b1409cd1b027fbc9 2026-08-15"
