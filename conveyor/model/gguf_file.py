@@ -2,11 +2,13 @@
 
 The metadata is read by gguf_metadata.py (the tokenizer's big arrays are stepped over: the tokenizer
 reads them itself); tensors expose what the loaders use of gguf's `ReaderTensor` (name, tensor_type,
-shape, data), with `data` a view into the map, so nothing is copied until a loader asks.
+shape, data), with `data` a view into the map, so nothing is copied until a loader asks. The tensor
+table is checked whole (gguf_validate.check_layout) before any view is made.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from conveyor.model.gguf_metadata import GGUFValue, parse_header
+from conveyor.model.gguf_validate import MAX_DIMS, TensorInfo, check_alignment, check_layout
 
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                  "I32": np.int32, "I64": np.int64}
@@ -40,8 +43,6 @@ class Tensor:
 
 class GGUFFile:
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = str(path)
         self.data = np.memmap(self.path, mode="r")
         buf = memoryview(self.data)
@@ -51,28 +52,22 @@ class GGUFFile:
         try:
             for _ in range(num_tensors):
                 name = cursor.string()
-                dims = [cursor.u64() for _ in range(cursor.u32())]
-                infos.append((name, dims, cursor.u32(), cursor.u64()))
-        except Exception as exc:   # struct.error past the end, a bad name
+                num_dims = cursor.u32()
+                if not 1 <= num_dims <= MAX_DIMS:
+                    raise ValueError(f"tensor {name[:80]!r} has {num_dims} dimensions (1 to {MAX_DIMS} are allowed)")
+                dims = tuple(cursor.u64() for _ in range(num_dims))
+                infos.append(TensorInfo(name, dims, cursor.u32(), cursor.u64()))
+        except struct.error as exc:   # a read past the end
             raise ValueError(f"the GGUF tensor list is cut short at byte {cursor.pos}: {exc}") from exc
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = check_alignment(metadata.get("general.alignment", 32))
         start = -(-cursor.pos // alignment) * alignment
         self.tensors: list[Tensor] = []
-        for name, dims, type_id, offset in infos:
-            try:
-                kind = gguf.GGMLQuantizationType(type_id)
-            except ValueError as exc:
-                raise ValueError(f"tensor {name} has an unknown type {type_id}") from exc
-            block, type_size = gguf.GGML_QUANT_SIZES[kind]
-            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            row_bytes = dims[0] // block * type_size
-            begin = start + offset
-            if begin + rows * row_bytes > len(self.data):
-                raise ValueError(f"tensor {name} runs past the end of the file (a truncated download?)")
-            raw = self.data[begin: begin + rows * row_bytes]
+        for layout in check_layout(infos, start, len(self.data), alignment):
+            info, kind = layout.info, layout.kind
+            raw = self.data[layout.begin: layout.begin + layout.num_rows * layout.row_bytes]
             if kind.name in _FLOAT_DTYPES:
                 data = raw.view(np.dtype(_FLOAT_DTYPES[kind.name]).newbyteorder(cursor.order))
-                data = data.reshape(tuple(reversed(dims)))
+                data = data.reshape(tuple(reversed(info.dims)))
             else:
-                data = raw.reshape(rows, row_bytes)
-            self.tensors.append(Tensor(name, kind, np.array(dims, dtype=np.uint64), data))
+                data = raw.reshape(layout.num_rows, layout.row_bytes)
+            self.tensors.append(Tensor(info.name, kind, np.array(info.dims, dtype=np.uint64), data))

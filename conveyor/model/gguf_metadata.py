@@ -29,6 +29,10 @@ _SCALAR_CODES: dict[int, str] = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
 }
 
+MAX_ARRAY_DEPTH = 4   # an array of arrays (of arrays...): llama.cpp writes none; deeper is a crafted file
+# Bytes a table entry takes at the least: a key (8-byte length) and its type; a tensor's name, one dim, type, offset.
+_MIN_KEY_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+
 # Numeric arrays come as numpy arrays (in native byte order), string arrays as lists.
 GGUFValue = int | float | bool | str | list[Any] | np.ndarray
 
@@ -95,7 +99,17 @@ class _Cursor:
             pos += 8 + unpack(buf, pos)[0]
         self.pos = pos
 
-    def value(self, value_type: int, keep: bool) -> GGUFValue | None:
+    def count(self, min_item_bytes: int, what: str) -> int:
+        """A u64 count of items at least `min_item_bytes` each, bounded by the bytes left in the file, so
+        a crafted count fails here instead of sizing an allocation."""
+        at = self.pos
+        count = self.u64()
+        if count * min_item_bytes > len(self.buf) - self.pos:
+            raise ValueError(f"{what} at byte {at} claims {count} entries, more than the file's remaining "
+                             f"{len(self.buf) - self.pos} bytes can hold")
+        return count
+
+    def value(self, value_type: int, keep: bool, depth: int = 0) -> GGUFValue | None:
         """The next value of `value_type`; stepped over (None) unless `keep`."""
         if value_type == _STRING:
             if keep:
@@ -103,21 +117,24 @@ class _Cursor:
             self.pos += 8 + self.u64()
             return None
         if value_type == _ARRAY:
-            elem_type, count = self.u32(), self.u64()
+            elem_type = self.u32()
             if elem_type == _STRING:
+                count = self.count(8, "a string array")
                 if keep:
                     return self.strings(count)
                 self.skip_strings(count)
                 return None
             if elem_type == _ARRAY:
-                # Never written by llama.cpp's tools; read element by element.
-                items = [self.value(self.u32(), keep) for _ in range(count)]
+                # Never written by llama.cpp's tools; read element by element, to a bounded depth.
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise ValueError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep at byte {self.pos}")
+                count = self.count(12, "a nested array")
+                items = [self.value(self.u32(), keep, depth + 1) for _ in range(count)]
                 return items if keep else None
             code = _scalar_code(elem_type)
             dtype = np.dtype(code).newbyteorder(self.order)
+            count = self.count(dtype.itemsize, "an array")
             start, self.pos = self.pos, self.pos + count * dtype.itemsize
-            if self.pos > len(self.buf):
-                raise ValueError(f"an array of {count} elements runs past the end of the file at byte {start}")
             if not keep:
                 return None
             # A copy (astype copies): the file's map closes after reading.
@@ -162,10 +179,10 @@ def parse_header(buf: memoryview, keep: Callable[[str], bool] | None = None, wan
         raise ValueError("the GGUF header is cut short")
     cursor = _Cursor(buf, order)
     cursor.pos = 8
-    num_tensors = cursor.u64()
-    num_keys = cursor.u64()
     metadata: dict[str, GGUFValue] = {}
     try:
+        num_tensors = cursor.count(_MIN_TENSOR_BYTES, "the tensor count")
+        num_keys = cursor.count(_MIN_KEY_BYTES, "the key count")
         for _ in range(num_keys):
             key = cursor.string()
             kept = keep is None or keep(key)

@@ -11,9 +11,12 @@ import numpy as np
 import torch
 
 from conveyor.errors import ModelLoadError
+from conveyor.kernels import KernelLibrary
 from conveyor.model import gguf_quant
 from conveyor.model.checkpoint import GGUF_ARCHITECTURES, SUPPORTED
 from conveyor.model.gguf_file import GGUFFile
+from conveyor.model.gguf_validate import (MAX_ARCH_VALUE, SCANNED_TYPES, check_arch, check_dequantized,
+                                          check_finite, check_shapes, metadata_float, metadata_int)
 from conveyor.model.llama import ModelArch
 
 
@@ -52,24 +55,31 @@ def arch_from_gguf(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
             raise ModelLoadError(f"GGUF metadata lacks {name}.{key}")
         return value
 
+    def number(key: str, default: int | None = None, minimum: int = 1, limit: int = MAX_ARCH_VALUE) -> int:
+        return metadata_int(meta(key, default), f"{name}.{key}", limit, minimum)
+
     tensor_names = {t.name: t for t in reader.tensors}
     embed = tensor_names.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
-    hidden = int(meta("embedding_length"))
-    num_heads = int(meta("attention.head_count"))
-    num_layers = int(meta("block_count"))
+    hidden = number("embedding_length")
+    num_heads = number("attention.head_count")
+    # Every layer holds tensors of its own: a count past the tensors' is a crafted file, not a model.
+    num_layers = number("block_count", limit=len(reader.tensors))
     scaling_type = gguf_field(reader, f"{name}.rope.scaling.type")
     rope_scaling = None
     if scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type, "factor": gguf_field(reader, f"{name}.rope.scaling.factor")}
-    vocab_size = int(gguf_field(reader, f"{name}.vocab_size", 0)) or int(embed.shape[-1])
-    head_dim = int(meta("attention.key_length", hidden // num_heads))
+        rope_scaling = {"rope_type": scaling_type, "factor": metadata_float(
+            gguf_field(reader, f"{name}.rope.scaling.factor"), f"{name}.rope.scaling.factor")}
+    vocab_size = (number("vocab_size", 0, minimum=0) or int(embed.shape[-1])) if len(embed.shape) == 2 else 0
+    if vocab_size <= 0:
+        raise ModelLoadError(f"token_embd.weight has shape {list(map(int, embed.shape))}: not (hidden, vocabulary)")
+    head_dim = number("attention.key_length", max(hidden // num_heads, 1))
     sliding = tuple([False] * num_layers)
     window = None
     gemma = {}
     if name == "gemma3":
-        window = int(gguf_field(reader, f"{name}.attention.sliding_window", 0))
+        window = number("attention.sliding_window", 0, minimum=0)
         if window > 0:
             sliding = _gemma3_sliding_layers(gguf_field(reader, f"{name}.attention.sliding_window_pattern"),
                                              num_layers)
@@ -79,20 +89,20 @@ def arch_from_gguf(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
         # 1/sqrt(head_dim), except in the 27B model (62 layers), whose query_pre_attn_scalar is hidden / heads.
         gemma = dict(family="gemma3", hidden_act="gelu_tanh",
                      rope_local_theta=float(gguf_field(reader, f"{name}.rope.freq_base_swa", 10_000.0)),
-                     attn_scale=(hidden // num_heads if num_layers == 62 else head_dim) ** -0.5)
+                     attn_scale=(max(hidden // num_heads, 1) if num_layers == 62 else head_dim) ** -0.5)
     arch = ModelArch(
         architecture=f"gguf:{name}",
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=number("feed_forward_length"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        num_kv_heads=number("attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rms_norm_eps=metadata_float(meta("attention.layer_norm_rms_epsilon"), f"{name}.attention.layer_norm_rms_epsilon"),
+        rope_theta=metadata_float(meta("rope.freq_base", 10000.0), f"{name}.rope.freq_base"),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta("context_length", 2048)),
+        max_position_embeddings=number("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
@@ -102,6 +112,8 @@ def arch_from_gguf(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
         rotary_dim=_rotary_dim(gguf_field(reader, f"{name}.rope.dimension_count"), head_dim),
         **gemma,
     )
+    check_arch(arch)
+    check_shapes(arch, name, reader.tensors)
     return arch, name
 
 
@@ -122,8 +134,11 @@ def _gemma3_sliding_layers(pattern, num_layers: int) -> tuple[bool, ...]:  # noq
     return tuple((i + 1) % period != 0 for i in range(num_layers))
 
 
-def _rotary_dim(count: int | None, head_dim: int) -> int | None:
-    return None if count is None or int(count) >= head_dim else int(count)
+def _rotary_dim(count: object, head_dim: int) -> int | None:
+    if count is None:
+        return None
+    count = metadata_int(count, "rope.dimension_count")
+    return None if count >= head_dim else count
 
 
 # Architectures whose files fuse what llama.cpp's llama files keep apart (Phi-3: q/k/v in attn_qkv,
@@ -141,19 +156,16 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: Path, keep: bool = False
+def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | None = None
                ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None,
                           gguf_quant.KeepPlan | None]:
     """With `keep`, also the plan of which tensors stay in their formats (gguf_quant); the weights
-    iterator then dequantizes only the others."""
+    iterator then dequantizes only the others. Every block scale and float weight is checked finite
+    before it is used (with the kernels' scan where given)."""
     import gguf
 
     reader = open_gguf_reader(path)
     arch, name = arch_from_gguf(reader)
-    freq_factors = None
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            freq_factors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
     row_orders = {}   # q/k weights and biases: the file row of each of our rows
     if name == "llama":   # llama.cpp's converter interleaved these rows; we rotate halves
         for t in reader.tensors:
@@ -163,6 +175,13 @@ def open_gguf(path: Path, keep: bool = False
                 row_orders[t.name] = _unpermute_rope_rows(np.arange(int(t.shape[-1])), heads)
     plan = gguf_quant.plan_kept(reader, arch, row_orders) if keep else None
     skipped = plan.skipped if plan is not None else set()
+    # A kept layer's tensors are scanned just before their repack reads them (gguf_quant), the rest now.
+    repacked = {part.tensor.name for parts in (plan.layers.values() if plan else ()) for part in parts}
+    check_finite([t for t in reader.tensors if t.name not in repacked], kernel_library)
+    freq_factors = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -181,6 +200,8 @@ def open_gguf(path: Path, keep: bool = False
             else:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
             w = gguf.quants.dequantize(t.data, t.tensor_type)
+            if t.tensor_type.name not in SCANNED_TYPES:
+                check_dequantized(t.name, w)
             if t.name in row_orders:
                 w = w[row_orders[t.name]]
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelLibrary, quant
+from conveyor.model.gguf_validate import SCANNED_TYPES, check_dequantized, check_finite
 from conveyor.model.quant import PendingQuantLinear, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,11 @@ def _weight(lib: KernelLibrary, part: Part) -> quant.QuantWeight:
     t = part.tensor
     k, n = int(t.shape[0]), int(t.shape[1])
     raw = t.data
+    check_finite([t], lib)   # its bytes are read now anyway: the repack finds them in the cache
     if part.fmt == REQUANTIZED:
         w = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32).reshape(n, k)
+        if t.tensor_type.name not in SCANNED_TYPES:
+            check_dequantized(t.name, w)
         weight = quant.quantize_int8(torch.from_numpy(w if part.rows is None else w[part.rows]))
     else:
         weight = quant.repack(lib, part.fmt, raw, n, k, part.rows)
