@@ -231,7 +231,10 @@ def _byte_level_backend(meta: dict[str, GGUFValue], vocab: dict[str, int], sourc
             f"{source}: GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_GGUF_PRE))}"
         )
     kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]  # type: ignore[index]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    try:
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    except Exception as exc:  # tokenizers raises a bare Exception for a merge outside the vocabulary
+        raise ValueError(f"{source}: GGUF tokenizer.ggml.merges do not fit its tokens ({exc})") from None
     backend.pre_tokenizer = _make_pre_tokenizer(kind)
     backend.decoder = decoders.ByteLevel()
     return backend, f"{len(merges)} merges, pre-tokenizer {pre!r} ({kind})", add_bos_default

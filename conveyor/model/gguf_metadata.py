@@ -125,11 +125,12 @@ class _Cursor:
                 self.skip_strings(count)
                 return None
             if elem_type == _ARRAY:
-                # Never written by llama.cpp's tools; read element by element, to a bounded depth.
+                # Never written by llama.cpp's tools; read element by element (each an array's element
+                # type and count, as gguf's reader takes them), to a bounded depth.
                 if depth + 1 >= MAX_ARRAY_DEPTH:
                     raise ValueError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep at byte {self.pos}")
                 count = self.count(12, "a nested array")
-                items = [self.value(self.u32(), keep, depth + 1) for _ in range(count)]
+                items = [self.value(_ARRAY, keep, depth + 1) for _ in range(count)]
                 return items if keep else None
             code = _scalar_code(elem_type)
             dtype = np.dtype(code).newbyteorder(self.order)
