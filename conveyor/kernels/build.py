@@ -5,6 +5,9 @@ seen), so nothing is compiled for "the build machine": the CPU's features are re
 each one we have a code path for becomes an explicit `-m` flag, and the cache key holds the
 sources, the flags, the compiler's version and that feature set. A library built for one CPU is
 never loaded on another.
+
+A cached library is code we will run: it is read only from a folder no other user can write, and
+loaded only when its bytes have the sha256 recorded beside it when it was built.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.private_cache import private_dir, read_private_file, write_atomically
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "stream.c", "shm_reduce.c")
 HEADERS = ("pool.h", "kquant.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
 SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf_validate.py)
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "conveyor" / "kernels"
+DEFAULT_CACHE_ROOT = Path.home() / ".cache"
+DEFAULT_CACHE_DIR = DEFAULT_CACHE_ROOT / "conveyor" / "kernels"
+MAX_LIBRARY_BYTES = 256 << 20
 
 # /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).
 FEATURE_FLAGS: dict[str, str] = {
@@ -45,6 +52,10 @@ FEATURE_FLAGS: dict[str, str] = {
 # Reassociation lets gcc vectorise the portable loops; finite-math stays off because the kernels use -inf.
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fassociative-math", "-fno-signed-zeros",
               "-fno-trapping-math", "-fno-math-errno", "-mtune=generic")
+
+# AddressSanitizer and UBSan (any undefined behaviour stops the process), for tests and CI.
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                  "-g")
 
 
 @dataclass(frozen=True)
@@ -87,49 +98,105 @@ def _compiler() -> tuple[str, str] | None:
     return compiler, (version[0] if version else "unknown")
 
 
-def _writable(directory: Path) -> Path:
+def _cache_directory(cache_dir: Path, cache_root: Path | None) -> Path | None:
+    root = cache_root if cache_root is not None else (
+        DEFAULT_CACHE_ROOT if DEFAULT_CACHE_ROOT in cache_dir.parents else cache_dir)
+    return private_dir(cache_dir, root)
+
+
+def _load_verified(target: Path, sanitize: bool) -> ctypes.CDLL | None:
+    """The library at `target` when its bytes have the digest its sidecar recorded at build time; a
+    truncated, edited or unrecorded file is never loaded (it would fault, or run someone's code)."""
+    recorded = read_private_file(_sidecar(target), 128)
+    data = read_private_file(target, MAX_LIBRARY_BYTES)
+    if recorded is None or data is None or hashlib.sha256(data).hexdigest().encode() != recorded.strip():
+        return None
+    return _open(target, sanitize)
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> bool:
+    sources = [SOURCE_DIR / name for name in SOURCES]
+    result = subprocess.run([compiler, *flags, "-o", str(out), *map(str, sources), "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        out.unlink(missing_ok=True)
+        logger.warning("building the C kernels failed; using the slower torch kernels:\n%s", result.stderr[-2000:])
+    return result.returncode == 0
+
+
+def _open(path: Path, sanitize: bool) -> ctypes.CDLL:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"conveyor-kernels-{os.getuid()}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        if sanitize:   # an ASan library loads only into a process that started with the ASan runtime
+            raise RuntimeError(f"the sanitizer build of the C kernels cannot load ({exc}): run python with "
+                               "LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0") from exc
+        raise
 
 
-def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> KernelLibrary | None:
+def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR, cache_root: Path | None = None,
+          sanitize: bool = False) -> KernelLibrary | None:
     """Compile (or load from the cache) the kernels for `features`; None, with one warning, if impossible.
 
-    `features` may be a subset of the CPU's, which tests use to run the narrower code paths.
+    `features` may be a subset of the CPU's, which tests use to run the narrower code paths. The cache
+    is used only where every folder from `cache_root` (default: ~/.cache for the default folder, else
+    `cache_dir` itself) down is this user's alone; elsewhere the library is built for this process in a
+    private temporary folder. `sanitize` builds with AddressSanitizer and UBSan (tests and CI).
     """
     found = _compiler()
     if found is None:
         logger.warning("no C compiler found: using the slower torch kernels")
         return None
     compiler, version = found
-    flags = [*BASE_FLAGS, *(FEATURE_FLAGS[f] for f in sorted(features))]
-    sources = [SOURCE_DIR / name for name in SOURCES]
+    flags = [*BASE_FLAGS, *(FEATURE_FLAGS[f] for f in sorted(features)), *(SANITIZE_FLAGS if sanitize else ())]
     key = hashlib.sha256()
-    for source in [*sources, *(SOURCE_DIR / name for name in HEADERS)]:
+    for source in [*(SOURCE_DIR / name for name in SOURCES), *(SOURCE_DIR / name for name in HEADERS)]:
         key.update(source.name.encode() + b"\0" + source.read_bytes())
     key.update("\0".join([*flags, version, *sorted(features)]).encode())
-    directory = _writable(cache_dir)
-    target = directory / f"conveyor-{key.hexdigest()[:20]}.so"
-    if not target.exists():
-        started = time.perf_counter()
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, sources), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            logger.warning("building the C kernels failed; using the slower torch kernels:\n%s",
-                           result.stderr[-2000:])
-            return None
-        os.replace(tmp, target)  # atomic: a concurrent builder never loads a half-written file
-        logger.info("built the C kernels for %s in %.1f s -> %s", describe(features),
-                    time.perf_counter() - started, target)
-    else:
+    name = f"conveyor-{key.hexdigest()[:20]}.so"
+    directory = _cache_directory(cache_dir, cache_root)
+    if directory is None:
+        logger.warning("%s is not a folder only this user can write: building the C kernels for this process "
+                       "only (a private temporary folder)", cache_dir)
+        return _build_private(compiler, flags, features, name, sanitize)
+    target = directory / name
+    lib = _load_verified(target, sanitize)
+    if lib is not None:
         logger.info("C kernels for %s from the cache: %s", describe(features), target)
-    return KernelLibrary(ctypes.CDLL(str(target)), features, target)
+        return KernelLibrary(lib, features, target)
+    started = time.perf_counter()
+    partial = directory / f".{name}.{os.getpid()}.tmp"
+    if not _compile(compiler, flags, partial):
+        return None
+    try:
+        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+        os.replace(partial, target)   # atomic: a reader sees the old file or the new one, whole
+        write_atomically(_sidecar(target), digest.encode() + b"\n")
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        logger.warning("the C kernels could not be cached in %s (%s): building them for this process only",
+                       directory, exc)
+        return _build_private(compiler, flags, features, name, sanitize)
+    logger.info("built the C kernels for %s in %.1f s -> %s", describe(features), time.perf_counter() - started,
+                target)
+    lib = _load_verified(target, sanitize)
+    if lib is None:   # another process replaced it between our write and read: never load unverified bytes
+        return _build_private(compiler, flags, features, name, sanitize)
+    return KernelLibrary(lib, features, target)
+
+
+def _build_private(compiler: str, flags: list[str], features: frozenset[str], name: str,
+                   sanitize: bool) -> KernelLibrary | None:
+    """The library built into a fresh folder only this process knows (mode 0700), loaded, then removed."""
+    folder = Path(tempfile.mkdtemp(prefix="conveyor-kernels-"))
+    try:
+        target = folder / name
+        if not _compile(compiler, flags, target):
+            return None
+        return KernelLibrary(_open(target, sanitize), features, target)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)   # a loaded library stays mapped
