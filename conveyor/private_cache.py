@@ -10,11 +10,17 @@ import stat
 from pathlib import Path
 
 
-def private_dir(path: Path, root: Path) -> Path | None:
+CACHE_ROOT = Path.home() / ".cache"
+
+
+def private_dir(path: Path, root: Path | None = None) -> Path | None:
     """`path`, created (mode 0700) where missing, when every folder from `root` down to it is a real
     directory (no symlink) owned by this user and writable by no group or other user; else None.
-    `root` is `path` or one of its parents."""
-    path, root = Path(os.path.abspath(path)), Path(os.path.abspath(root))
+    `root` is `path` or one of its parents (by default ~/.cache for a folder under it, else `path`)."""
+    path = Path(os.path.abspath(path))
+    if root is None:
+        root = CACHE_ROOT if CACHE_ROOT in path.parents else path
+    root = Path(os.path.abspath(root))
     if path != root and root not in path.parents:
         raise ValueError(f"{root} is not a parent of {path}")
     chain = [root, *reversed([p for p in path.parents if root in p.parents]), path] if path != root else [root]

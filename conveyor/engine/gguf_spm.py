@@ -15,22 +15,27 @@ and byte tokens) and to one token reached by two different splits at overlapping
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
+import struct
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
+from conveyor.private_cache import CACHE_ROOT, private_dir, read_private_file, write_atomically
+
 logger = logging.getLogger(__name__)
 
 _SPACE = "\u2581"   # SentencePiece's visible space
 # Derived merges kept per vocabulary: Gemma 3's 262,144 tokens take ~1 s to derive, ~0.1 s to read back.
-DEFAULT_MERGES_CACHE = Path.home() / ".cache" / "conveyor" / "tokenizers"
-_CACHE_FORMAT = b"spm-merges-v1\0"   # hashed into every key: change it whenever spm_merges changes
+DEFAULT_MERGES_CACHE = CACHE_ROOT / "conveyor" / "tokenizers"
+_CACHE_FORMAT = b"spm-merges-v2\0"   # hashed into every key: change it whenever spm_merges changes
+# A cache file: magic, number of rows, sha256 of the rows; then (left, right, merged) token ids, int32.
+_MAGIC = b"conveyor-merges\0"
+_HEADER = struct.Struct("<16sQ32s")
+_ROW_BYTES = 12
 
 
 def spm_backend(tokens: list[str], vocab: dict[str, int], scores: np.ndarray, *, add_space_prefix: bool,
@@ -75,31 +80,66 @@ def spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray) -> 
 def cached_spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray,
                       cache_dir: Path) -> list[tuple[str, str]]:
     """`spm_merges`, kept in `cache_dir` as token id pairs under a hash of the tokens and scores, so
-    another file with the same vocabulary reads them too and a changed one derives its own. A file
-    that cannot be read or does not fit the vocabulary is derived again; one that cannot be written
-    is only logged."""
+    another file with the same vocabulary reads them too and a changed one derives its own. The cache
+    is input like any file: read only from a folder this user alone can write, only as a plain file no
+    larger than the vocabulary allows, and used only when its digest matches and every merge is one
+    the derivation would give, in its order (see `_read_merges`); anything else is derived again. A
+    folder that cannot be written is only logged."""
     digest = hashlib.sha256(_CACHE_FORMAT)
     digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
     digest.update(np.ascontiguousarray(scores, dtype=np.float64).tobytes())
-    path = cache_dir / f"{digest.hexdigest()[:40]}.npy"
-    try:
-        pairs = np.load(path, allow_pickle=False)
-        if pairs.dtype == np.int32 and pairs.ndim == 2 and pairs.shape[1] == 2 and \
-                (pairs.size == 0 or (pairs.min() >= 0 and pairs.max() < len(tokens))):
-            names = np.array(tokens, dtype=object)
-            return list(zip(names[pairs[:, 0]].tolist(), names[pairs[:, 1]].tolist()))
-    except (OSError, ValueError, EOFError):
-        pass
+    folder = private_dir(cache_dir)
+    if folder is None:
+        logger.warning("%s is not a folder only this user can write: SentencePiece merges are derived, not cached",
+                       cache_dir)
+        return spm_merges(tokens, vocab, scores)
+    path = folder / f"{digest.hexdigest()[:40]}.merges"
+    merges = _read_merges(path, tokens, vocab, scores)
+    if merges is not None:
+        return merges
     merges = spm_merges(tokens, vocab, scores)
-    pairs = np.array([(vocab[left], vocab[right]) for left, right in merges], dtype=np.int32).reshape(-1, 2)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    table = np.array([(vocab[left], vocab[right], vocab[left + right]) for left, right in merges],
+                     dtype="<i4").reshape(-1, 3)
+    payload = table.tobytes()
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as f:
-            np.save(f, pairs)
-        os.replace(partial, path)   # whole or not at all, whoever else writes it
+        write_atomically(path, _HEADER.pack(_MAGIC, len(table), hashlib.sha256(payload).digest()) + payload)
     except OSError as exc:
-        logger.debug("SentencePiece merges not cached in %s: %s", cache_dir, exc)
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
+        logger.debug("SentencePiece merges not cached in %s: %s", folder, exc)
     return merges
+
+
+def _read_merges(path: Path, tokens: list[str], vocab: dict[str, int], scores: np.ndarray
+                 ) -> list[tuple[str, str]] | None:
+    """The merges a cache file holds, or None unless it is whole and right for this vocabulary: a row
+    count no larger than the splits the tokens allow (checked before reading a byte more), the digest of
+    its rows, ids in range, each merged token the text of its two parts, and the derivation's order
+    (best score first, then token id, then the left part's length)."""
+    token_len = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    max_rows = max(int(token_len.sum()) - len(tokens), 0)   # a token of n characters splits n - 1 ways
+    data = read_private_file(path, _HEADER.size + _ROW_BYTES * max_rows)
+    if data is None or len(data) < _HEADER.size:
+        return None
+    magic, rows, recorded = _HEADER.unpack_from(data)
+    if magic != _MAGIC or rows > max_rows or len(data) != _HEADER.size + _ROW_BYTES * rows:
+        return None
+    payload = memoryview(data)[_HEADER.size:]
+    if hashlib.sha256(payload).digest() != recorded:
+        return None
+    if rows == 0:
+        return []
+    table = np.frombuffer(payload, dtype="<i4").reshape(rows, 3).astype(np.int64)
+    if table.min() < 0 or table.max() >= len(tokens):
+        return None
+    left, right, merged = table[:, 0], table[:, 1], table[:, 2]
+    left_len = token_len[left]
+    # The order spm_merges gives: keys (-score, token id, left length) strictly increasing.
+    neg_score = -np.asarray(scores, dtype=np.float64)[merged]
+    before = (neg_score[:-1] < neg_score[1:]) | ((neg_score[:-1] == neg_score[1:]) & (
+        (merged[:-1] < merged[1:]) | ((merged[:-1] == merged[1:]) & (left_len[:-1] < left_len[1:]))))
+    if not before.all():
+        return None
+    names = np.array(tokens, dtype=object)
+    lefts, rights = names[left], names[right]
+    if not (lefts + rights == names[merged]).all():   # elementwise str + and ==, one C loop each
+        return None
+    return list(zip(lefts.tolist(), rights.tolist()))

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.private_cache import private_dir, read_private_file, write_atomically
+from conveyor.private_cache import CACHE_ROOT, private_dir, read_private_file, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ SOURCE_DIR = Path(__file__).parent
 SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "stream.c", "shm_reduce.c")
 HEADERS = ("pool.h", "kquant.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
 SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf_validate.py)
-DEFAULT_CACHE_ROOT = Path.home() / ".cache"
-DEFAULT_CACHE_DIR = DEFAULT_CACHE_ROOT / "conveyor" / "kernels"
+DEFAULT_CACHE_DIR = CACHE_ROOT / "conveyor" / "kernels"
 MAX_LIBRARY_BYTES = 256 << 20
 
 # /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).
@@ -98,12 +97,6 @@ def _compiler() -> tuple[str, str] | None:
     return compiler, (version[0] if version else "unknown")
 
 
-def _cache_directory(cache_dir: Path, cache_root: Path | None) -> Path | None:
-    root = cache_root if cache_root is not None else (
-        DEFAULT_CACHE_ROOT if DEFAULT_CACHE_ROOT in cache_dir.parents else cache_dir)
-    return private_dir(cache_dir, root)
-
-
 def _load_verified(target: Path, sanitize: bool) -> ctypes.CDLL | None:
     """The library at `target` when its bytes have the digest its sidecar recorded at build time; a
     truncated, edited or unrecorded file is never loaded (it would fault, or run someone's code)."""
@@ -158,7 +151,7 @@ def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR, cache_r
         key.update(source.name.encode() + b"\0" + source.read_bytes())
     key.update("\0".join([*flags, version, *sorted(features)]).encode())
     name = f"conveyor-{key.hexdigest()[:20]}.so"
-    directory = _cache_directory(cache_dir, cache_root)
+    directory = private_dir(cache_dir, cache_root)
     if directory is None:
         logger.warning("%s is not a folder only this user can write: building the C kernels for this process "
                        "only (a private temporary folder)", cache_dir)
