@@ -18,6 +18,15 @@ import torch
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--real-gguf", action="append", default=[], metavar="FILE",
                      help="a real GGUF file (e.g. a Q4_K_M download) for the tests marked real_model; repeatable")
+    parser.addoption("--sanitize", action="store_true",
+                     help="run the C kernels built with ASan and UBSan (python needs LD_PRELOAD of libasan)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--sanitize"):
+        from conveyor import kernels
+
+        kernels.use_sanitizers()
 
 
 @pytest.fixture

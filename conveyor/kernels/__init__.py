@@ -14,16 +14,27 @@ import torch
 from conveyor.kernels import decoder, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
-__all__ = ["KernelLibrary", "library", "library_for", "cpu_features", "describe", "attention_tile_size",
+__all__ = ["KernelLibrary", "library", "library_for", "use_sanitizers", "cpu_features", "describe", "attention_tile_size",
            "paged_attention", "mask_logits"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_sanitize = False
+
+
+def use_sanitizers() -> None:
+    """Build every library from now on with AddressSanitizer and UBSan: for tests and CI, in a python
+    started with the ASan runtime (LD_PRELOAD=$(gcc -print-file-name=libasan.so)). Call it before the
+    first library is built; one built earlier stays as it is."""
+    global _sanitize
+    if library_for.cache_info().currsize and not _sanitize:
+        raise RuntimeError("use_sanitizers() must come before the first kernel library is built")
+    _sanitize = True
 
 
 @cache
 def library_for(features: frozenset[str]) -> KernelLibrary | None:
     """The kernels built for `features` (the CPU's, or a subset of them to run narrower code paths)."""
-    built = build(features)
+    built = build(features, sanitize=_sanitize)
     if built is None:
         return None
     lib = built.lib

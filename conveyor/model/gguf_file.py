@@ -48,6 +48,7 @@ class GGUFFile:
         buf = memoryview(self.data)
         metadata, cursor, num_tensors = parse_header(buf, lambda key: not key.startswith("tokenizer.ggml."))
         self.fields = {name: Field(name, value) for name, value in metadata.items()}
+        self.array_lengths = cursor.array_lengths   # also of the arrays not read (the vocabulary)
         infos = []
         try:
             for _ in range(num_tensors):
@@ -57,7 +58,7 @@ class GGUFFile:
                     raise ValueError(f"tensor {name[:80]!r} has {num_dims} dimensions (1 to {MAX_DIMS} are allowed)")
                 dims = tuple(cursor.u64() for _ in range(num_dims))
                 infos.append(TensorInfo(name, dims, cursor.u32(), cursor.u64()))
-        except struct.error as exc:   # a read past the end
+        except (struct.error, OverflowError) as exc:   # a read past the end (or past any offset)
             raise ValueError(f"the GGUF tensor list is cut short at byte {cursor.pos}: {exc}") from exc
         alignment = check_alignment(metadata.get("general.alignment", 32))
         start = -(-cursor.pos // alignment) * alignment

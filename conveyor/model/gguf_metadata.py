@@ -44,6 +44,7 @@ class _Cursor:
         self.buf = buf
         self.order = order
         self.pos = 0
+        self.array_lengths: dict[str, int] = {}   # key -> element count, for every top-level array
         self._u32 = struct.Struct(order + "I").unpack_from
         self._u64 = struct.Struct(order + "Q").unpack_from
 
@@ -187,12 +188,15 @@ def parse_header(buf: memoryview, keep: Callable[[str], bool] | None = None, wan
         for _ in range(num_keys):
             key = cursor.string()
             kept = keep is None or keep(key)
-            value = cursor.value(cursor.u32(), kept)
+            value_type, start = cursor.u32(), cursor.pos
+            value = cursor.value(value_type, kept)
+            if value_type == _ARRAY:
+                cursor.array_lengths[key] = struct.unpack_from(order + "Q", buf, start + 4)[0]
             if kept:
                 metadata[key] = value  # type: ignore[assignment]  # kept values are never None
                 if wanted is not None and len(metadata) == len(wanted):
                     break  # everything asked for is read; the rest is never touched
-    except struct.error as exc:  # a read past the end: a truncated file
+    except (struct.error, OverflowError) as exc:  # a read past the end: a truncated file
         raise ValueError(f"the GGUF metadata is cut short at byte {cursor.pos}: {exc}") from exc
     return metadata, cursor, num_tensors
 

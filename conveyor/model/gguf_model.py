@@ -75,6 +75,9 @@ def arch_from_gguf(reader) -> tuple[ModelArch, str]:  # noqa: ANN001
     if vocab_size <= 0:
         raise ModelLoadError(f"token_embd.weight has shape {list(map(int, embed.shape))}: not (hidden, vocabulary)")
     head_dim = number("attention.key_length", max(hidden // num_heads, 1))
+    num_tokens = reader.array_lengths.get("tokenizer.ggml.tokens", 0)
+    if num_tokens > vocab_size:   # every id past the table would fail the request that sampled or sent it
+        raise ModelLoadError(f"the tokenizer has {num_tokens} tokens but the model's vocabulary only {vocab_size}")
     sliding = tuple([False] * num_layers)
     window = None
     gemma = {}

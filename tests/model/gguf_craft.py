@@ -52,7 +52,9 @@ def _value(value_type: int, value: object) -> bytes:
 
 
 def encode(spec: Spec) -> bytes:
-    alignment = int(spec.kv.get("general.alignment", (UINT32, 32))[1]) or 32
+    alignment = spec.kv.get("general.alignment", (UINT32, 32))[1]
+    if not isinstance(alignment, int) or not 0 < alignment <= 1 << 16:
+        alignment = 32   # a broken value is written as is; the data is laid out as for the default
     out = [b"GGUF", struct.pack("<IQQ", spec.version, len(spec.tensors), len(spec.kv))]
     for key, (value_type, value) in spec.kv.items():
         out.append(_value(STRING, key) + struct.pack("<I", value_type) + _value(value_type, value))

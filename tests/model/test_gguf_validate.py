@@ -130,6 +130,7 @@ STRUCTURE = [
     ("hidden-256-weights-512", _meta("llama.embedding_length", UINT32, 256), "shape"),
     ("layer-past-block-count", _extra("blk.2.attn_norm.weight"), "unexpected"),
     ("unknown-tensor", _extra("blk.0.attn_extra.weight"), "unexpected"),
+    ("more-tokens-than-embedding-rows", _widen("token_embd.weight", (64, 64), "Q8_0"), "96 tokens"),
 ]
 
 
