@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,13 +113,23 @@ def _sidecar(target: Path) -> Path:
 
 
 def _compile(compiler: str, flags: list[str], out: Path) -> bool:
-    sources = [SOURCE_DIR / name for name in SOURCES]
-    result = subprocess.run([compiler, *flags, "-o", str(out), *map(str, sources), "-lm"],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
+    """Each source to an object file, as many at once as there are cores, then one link into `out`."""
+    with tempfile.TemporaryDirectory(prefix="conveyor-build-") as work:
+        def run(args: list[str]) -> subprocess.CompletedProcess:
+            return subprocess.run([compiler, *args], capture_output=True, text=True)
+
+        objects = [str(Path(work) / f"{name}.o") for name in SOURCES]
+        compile_flags = [f for f in flags if f != "-shared"]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+            results = list(pool.map(run, [[*compile_flags, "-c", "-o", obj, str(SOURCE_DIR / name)]
+                                          for name, obj in zip(SOURCES, objects)]))
+        if all(r.returncode == 0 for r in results):
+            results.append(run([*flags, "-o", str(out), *objects, "-lm"]))
+        failed = [r for r in results if r.returncode != 0]
+    if failed:
         out.unlink(missing_ok=True)
-        logger.warning("building the C kernels failed; using the slower torch kernels:\n%s", result.stderr[-2000:])
-    return result.returncode == 0
+        logger.warning("building the C kernels failed; using the slower torch kernels:\n%s", failed[0].stderr[-2000:])
+    return not failed
 
 
 def _open(path: Path, sanitize: bool) -> ctypes.CDLL:
@@ -166,6 +177,7 @@ def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR, cache_r
     if not _compile(compiler, flags, partial):
         return None
     try:
+        partial.chmod(0o700)   # whatever the umask: a group-writable file would never be read back
         digest = hashlib.sha256(partial.read_bytes()).hexdigest()
         os.replace(partial, target)   # atomic: a reader sees the old file or the new one, whole
         write_atomically(_sidecar(target), digest.encode() + b"\n")
