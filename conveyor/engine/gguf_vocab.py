@@ -233,7 +233,7 @@ def _byte_level_backend(meta: dict[str, GGUFValue], vocab: dict[str, int], sourc
     kind, ignore_merges, add_bos_default = _GGUF_PRE[pre]  # type: ignore[index]
     try:
         backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-    except Exception as exc:  # tokenizers raises a bare Exception for a merge outside the vocabulary
+    except Exception as exc:  # tokenizers raises a bare Exception for a merge it cannot place
         raise ValueError(f"{source}: GGUF tokenizer.ggml.merges do not fit its tokens ({exc})") from None
     backend.pre_tokenizer = _make_pre_tokenizer(kind)
     backend.decoder = decoders.ByteLevel()

@@ -14,8 +14,8 @@ import torch
 from conveyor.kernels import decoder, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
-__all__ = ["KernelLibrary", "library", "library_for", "use_sanitizers", "cpu_features", "describe", "attention_tile_size",
-           "paged_attention", "mask_logits"]
+__all__ = ["KernelLibrary", "library", "library_for", "use_sanitizers", "cpu_features", "describe",
+           "attention_tile_size", "paged_attention", "mask_logits"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _sanitize = False

@@ -72,7 +72,8 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
     plan: gguf_quant.KeepPlan | None = None
     try:
         if path.is_file():
-            arch, weights, freq_factors, plan = open_gguf(path, keep=quantization == "gguf", kernel_library=kernel_library)
+            arch, weights, freq_factors, plan = open_gguf(path, keep=quantization == "gguf",
+                                                          kernel_library=kernel_library)
         else:
             arch, weights, freq_factors = open_hf_folder(path)
         if shard is not None and arch.family != "llama":

@@ -20,7 +20,7 @@ from conveyor.errors import ModelLoadError
 from conveyor.model.gguf_metadata import read_gguf_metadata
 from conveyor.model.loader import load_model, read_arch
 
-from gguf_craft import ARRAY, FLOAT32, INT32, STRING, UINT32, UINT64, Spec, T, encode, requantized, tiny_spec
+from gguf_craft import ARRAY, INT32, STRING, UINT32, UINT64, Spec, T, TensorSpec, encode, requantized, tiny_spec
 
 LIB = kernels.library()
 
@@ -88,8 +88,7 @@ def _wide_ffn(spec: Spec) -> None:
 
 def _extra(name: str) -> Callable[[Spec], None]:
     def edit(spec: Spec) -> None:
-        spec.tensors.append(spec.tensor("blk.0.attn_norm.weight").__class__(
-            name, [64], int(T.F32), np.ones(64, np.float32).tobytes()))
+        spec.tensors.append(TensorSpec(name, [64], int(T.F32), np.ones(64, np.float32).tobytes()))
     return edit
 
 
