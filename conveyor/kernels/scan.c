@@ -45,18 +45,37 @@ typedef struct {
 static int64_t scan_packed32(const scan_job *j, int64_t from, int64_t to) { SCAN_PACKED(uint32_t, 0x7f800000u) }
 static int64_t scan_packed16(const scan_job *j, int64_t from, int64_t to, uint16_t mask) { SCAN_PACKED(uint16_t, mask) }
 
+/* Blocks with 16-bit scales (every GGUF block type): fixed-size loads, one or two per block. */
+static int64_t scan_blocks16(const scan_job *j, int64_t from, int64_t to, uint16_t mask) {
+    const uint8_t *p = j->raw + from * j->block_bytes + j->offset;
+    for (int64_t b = from; b < to; b++, p += j->block_bytes) {
+        uint16_t v0, v1 = 0;
+        memcpy(&v0, p, 2);
+        if (j->num_fields > 1) memcpy(&v1, p + 2, 2);
+        int bad = (v0 & mask) == mask || (j->num_fields > 1 && (v1 & mask) == mask);
+        for (int64_t f = 2; f < j->num_fields; f++) {
+            uint16_t v;
+            memcpy(&v, p + 2 * f, 2);
+            bad |= (v & mask) == mask;
+        }
+        if (bad) return b;
+    }
+    return -1;
+}
+
 static int64_t scan_range(const scan_job *j, int64_t from, int64_t to) {
     const int64_t width = fmt_size(j->fmt);
-    const uint32_t mask = j->fmt == FMT_F32 ? 0x7f800000u : j->fmt == FMT_F16 ? 0x7c00u : 0x7f80u;
+    const uint16_t mask16 = j->fmt == FMT_F16 ? 0x7c00u : 0x7f80u;
     if (j->block_bytes == width && j->num_fields == 1)
-        return width == 4 ? scan_packed32(j, from, to) : scan_packed16(j, from, to, (uint16_t)mask);
+        return width == 4 ? scan_packed32(j, from, to) : scan_packed16(j, from, to, mask16);
+    if (width == 2) return scan_blocks16(j, from, to, mask16);
     for (int64_t b = from; b < to; b++) {
         const uint8_t *p = j->raw + b * j->block_bytes + j->offset;
         int bad = 0;
         for (int64_t f = 0; f < j->num_fields; f++) {
-            uint32_t v = 0;
-            memcpy(&v, p + f * width, (size_t)width);   /* little-endian, as GGUF files are */
-            bad |= (v & mask) == mask;
+            uint32_t v;
+            memcpy(&v, p + 4 * f, 4);
+            bad |= (v & 0x7f800000u) == 0x7f800000u;
         }
         if (bad) return b;
     }
