@@ -13,6 +13,7 @@ is where that trust is earned. Three stages, each called where the file is read:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -160,11 +161,26 @@ def expected_shape(arch, family: str, name: str, names: set[str]) -> tuple[int, 
     return (norms[kind],) if kind in norms and suffix == "weight" else None
 
 
+@functools.cache
+def readable(kind: object) -> bool:
+    """Whether gguf's dequantization reads this type (a few, as F64 and the integer types, it does not)."""
+    import gguf
+
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
 def check_shapes(arch, family: str, tensors: Iterable) -> None:  # noqa: ANN001 - ModelArch, gguf_file.Tensor
-    """Every tensor has the shape the metadata implies (so the kernels' N and K are the layer's)."""
+    """Every tensor has a type we can read and the shape the metadata implies (so the kernels' N and K
+    are the layer's)."""
     tensors = list(tensors)
     names = {t.name for t in tensors}
     for t in tensors:
+        if not readable(t.tensor_type):
+            raise ModelLoadError(f"tensor {t.name} has type {t.tensor_type.name}, which conveyor cannot read")
         shape = tuple(int(d) for d in t.shape)
         want = expected_shape(arch, family, t.name, names)
         if want is None:

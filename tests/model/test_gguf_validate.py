@@ -92,6 +92,14 @@ def _extra(name: str) -> Callable[[Spec], None]:
     return edit
 
 
+def _retype(name: str, kind: object) -> Callable[[Spec], None]:
+    def edit(spec: Spec) -> None:
+        t = spec.tensor(name)
+        t.type_id = int(kind)
+        t.data = np.frombuffer(t.data, np.float32).astype(np.float64).tobytes()
+    return edit
+
+
 def _nested(depth: int) -> Callable[[Spec], None]:
     def edit(spec: Spec) -> None:
         value: tuple[int, object] = (INT32, [1])
@@ -130,6 +138,7 @@ STRUCTURE = [
     ("kept-weight-k-wider-than-hidden", _widen("blk.0.attn_q.weight", (64, 128), "Q8_0"), "blk.0.attn_q"),
     ("layer-past-block-count", _extra("blk.2.attn_norm.weight"), "unexpected"),
     ("unknown-tensor", _extra("blk.0.attn_extra.weight"), "unexpected"),
+    ("a-type-nothing-reads", _retype("blk.1.ffn_norm.weight", T.F64), "cannot read"),
     ("more-tokens-than-embedding-rows", _widen("token_embd.weight", (64, 64), "Q8_0"), "96 tokens"),
 ]
 
