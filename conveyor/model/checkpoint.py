@@ -38,6 +38,8 @@ def resolve_model_path(model: str | None) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}. Expected {SUPPORTED}.")
+    if not path.is_file() and not path.is_dir():   # a FIFO or a device: reading it could block forever
+        raise ModelLoadError(f"{path} is neither a regular file nor a folder. Expected {SUPPORTED}.")
     if path.is_file() and not is_gguf(path):
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes). Expected {SUPPORTED}.")
     if path.is_dir() and not (path / "config.json").is_file():

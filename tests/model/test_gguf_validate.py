@@ -4,6 +4,7 @@ that answered nothing."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -18,6 +19,7 @@ import torch
 from conveyor import kernels
 from conveyor.errors import ModelLoadError
 from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_model, read_arch
 
 from gguf_craft import ARRAY, INT32, STRING, UINT32, UINT64, Spec, T, TensorSpec, encode, requantized, tiny_spec
@@ -268,3 +270,10 @@ def test_the_c_scan_finds_what_numpy_finds(fmt: str, block_bytes: int, offset: i
         flat[at: at + len(inf)] = np.frombuffer(inf, np.uint8)
         assert scan.first_nonfinite(LIB, flat, block_bytes, offset, count, fmt) == bad_block
         assert scan.first_nonfinite(None, flat, block_bytes, offset, count, fmt) == bad_block
+
+
+def test_a_fifo_as_the_model_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelLoadError, match="neither a regular file nor a folder"):
+        resolve_model_path(str(fifo))
