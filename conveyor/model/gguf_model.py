@@ -203,7 +203,8 @@ def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | No
                 hf_name = f"{prefix}{_GGUF_GLOBAL_NAMES[parts[0]]}.{parts[-1]}"
             else:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            # Shaped as the file says: a 1-D tensor of a block type (BF16 too) dequantizes to one row.
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
             if t.tensor_type.name not in SCANNED_TYPES:
                 check_dequantized(t.name, w)
             if t.name in row_orders:

@@ -203,8 +203,11 @@ def check_finite(tensors: Iterable, lib: KernelLibrary | None) -> None:  # noqa:
     for t in tensors:
         type_name = t.tensor_type.name
         raw = t.data
-        if type_name in FLOAT_TYPES:
-            where = scan.first_nonfinite(lib, raw.reshape(-1).view(np.uint8), raw.dtype.itemsize, 0, 1,
+        if type_name == "F64" or (type_name in FLOAT_TYPES and not raw.dtype.isnative):   # big-endian
+            finite = np.isfinite(raw.reshape(-1))
+            where, what = (-1 if finite.all() else int(np.argmin(finite))), "a weight"
+        elif type_name in FLOAT_TYPES:   # BF16 comes as bytes: numpy has no such type
+            where = scan.first_nonfinite(lib, raw.reshape(-1).view(np.uint8), 4 if type_name == "F32" else 2, 0, 1,
                                          FLOAT_TYPES[type_name])
             what = "a weight"
         elif type_name in SCALE_FIELDS:
@@ -212,10 +215,6 @@ def check_finite(tensors: Iterable, lib: KernelLibrary | None) -> None:  # noqa:
             block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
             where = scan.first_nonfinite(lib, raw.reshape(-1), block_bytes, offset, count, "f16")
             what = "a block scale"
-        elif type_name == "F64":
-            finite = np.isfinite(raw.reshape(-1))
-            where = -1 if finite.all() else int(np.argmin(finite))
-            what = "a weight"
         else:
             continue   # dequantized at load: the float result is checked there (check_dequantized)
         if where >= 0:

@@ -187,6 +187,20 @@ def _set_f32(spec: Spec, name: str, index: int, value: float) -> None:
     t.data = bytes(data)
 
 
+def _bf16_with_inf(spec: Spec, name: str, index: int) -> None:
+    t = spec.tensor(name)
+    bits = (np.frombuffer(t.data, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits[index] = 0x7F80
+    t.type_id, t.data = int(T.BF16), bits.tobytes()
+
+
+def _f16_with_nan(spec: Spec, name: str, index: int) -> None:
+    t = spec.tensor(name)
+    values = np.frombuffer(t.data, np.float32).astype(np.float16)
+    values[index] = np.nan
+    t.type_id, t.data = int(T.F16), values.tobytes()
+
+
 # (id, K-quant file, edit)
 SCALES = [
     ("q4_k-d-nan", True, lambda s: _set_f16(s, "blk.0.attn_q.weight", 144, 5, 0, np.nan)),
@@ -198,6 +212,8 @@ SCALES = [
     ("q4_0-d-inf", False, lambda s: _set_f16(s, "blk.0.ffn_down.weight", 18, 2, 0, np.inf)),
     ("q4_1-m-nan", False, lambda s: _set_f16(s, "blk.1.ffn_gate.weight", 20, 9, 2, np.nan)),
     ("f32-norm-nan", False, lambda s: _set_f32(s, "blk.1.ffn_norm.weight", 63, np.nan)),
+    ("bf16-norm-inf", False, lambda s: _bf16_with_inf(s, "blk.0.attn_norm.weight", 17)),
+    ("f16-norm-nan", False, lambda s: _f16_with_nan(s, "output_norm.weight", 5)),
 ]
 
 
@@ -277,3 +293,13 @@ def test_a_fifo_as_the_model_is_refused_without_blocking(tmp_path: Path) -> None
     os.mkfifo(fifo)
     with pytest.raises(ModelLoadError, match="neither a regular file nor a folder"):
         resolve_model_path(str(fifo))
+
+
+def test_float16_and_bfloat16_weights_pass_the_scan(tmp_path: Path) -> None:
+    spec = tiny_spec()
+    _bf16_with_inf(spec, "blk.0.attn_norm.weight", 0)
+    _f16_with_nan(spec, "output_norm.weight", 0)
+    for name in ("blk.0.attn_norm.weight", "output_norm.weight"):   # the bad value made good again
+        t = spec.tensor(name)
+        t.data = b"\x80\x3f" + t.data[2:] if t.type_id == int(T.BF16) else b"\x00\x3c" + t.data[2:]
+    assert load(write(tmp_path, spec)).arch.num_layers == 2
