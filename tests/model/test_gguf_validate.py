@@ -229,12 +229,21 @@ def test_a_non_finite_scale_is_a_load_error_naming_the_tensor(tmp_path: Path, ca
     assert edited and edited[0] in message, message
 
 
-def test_a_type_without_a_kernel_is_scanned_too(tmp_path: Path) -> None:
-    """Q5_1 has no kernel: it is dequantized and requantized to Q8_0, after the same scan."""
-    spec = tiny_spec()
-    requantized(spec, "blk.0.attn_output.weight", (64, 64), "Q5_1")
-    _set_f16(spec, "blk.0.attn_output.weight", 24, 4, 0, np.nan)
-    assert "blk.0.attn_output.weight" in load_error(write(tmp_path, spec))
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "nan"])
+def test_a_type_without_a_kernel_is_scanned_too(tmp_path: Path, bad: bool) -> None:
+    """Q2_K has no kernel: it is dequantized and requantized to Q8_0, after the same scan."""
+    spec = tiny_spec(kquant=True)
+    blocks = np.random.default_rng(0).integers(0, 256, size=(256, 84), dtype=np.uint8)
+    blocks[:, 80:84] = np.full((256, 2), 0.001, np.float16).view(np.uint8)   # d and dmin
+    if bad:
+        blocks[7, 82:84] = np.array([np.inf], np.float16).view(np.uint8)
+    t = spec.tensor("blk.0.attn_output.weight")
+    t.type_id, t.data = int(T.Q2_K), blocks.tobytes()
+    path = write(tmp_path, spec)
+    if bad:
+        assert "blk.0.attn_output.weight (Q2_K) has a block scale that is NaN or infinite" in load_error(path)
+    else:
+        assert load(path).arch.num_layers == 2
 
 
 def _free_port() -> int:
