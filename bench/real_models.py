@@ -41,7 +41,7 @@ import httpx
 from bench import report, servers
 from bench.real_models_report import compare, peers_that_ran, plot, table
 from bench.client import ServingRun, greedy_text, run_serving
-from bench.limits import model_arch
+from bench.limits import model_arch, stream_read_bandwidth
 from bench.metrics import summarize
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
 from conveyor.model.checkpoint import is_gguf
@@ -235,6 +235,16 @@ class Measurement:
                 "failed": fig["failed"], "ttft_p50_ms": fig["ttft_ms"]["p50"], "tpot_mean_ms": fig["tpot_ms"]["mean"]}
 
 
+def decode_bytes_per_token(model: Path) -> int:
+    """Weight bytes one decode step reads: every tensor but the token embedding (one row of it is read),
+    which a tied file reads whole as its output layer."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.real_models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +263,8 @@ def main() -> None:
                    help="ik_llama.cpp's source tree, built in build/ (default: <peers-dir>/ik)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/real_models"))
+    p.add_argument("--stream-bytes", type=int, default=2 << 30,
+                   help="buffer of the stream read that one-stream decode is reported against (the wall)")
     args = p.parse_args()
     sizes = parse_sizes(args.quick, args.set)
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -285,9 +297,20 @@ def main() -> None:
             except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as exc:
                 systems[name] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:1500]}",
                                  "launches": measurement.launches}
+        wall = stream_read_bandwidth(args.threads, args.stream_bytes)   # right after the systems: the same state
+        per_token = decode_bytes_per_token(model)
+        for fig in systems.values():
+            if fig.get("decode_tok_s"):
+                fig["decode_bytes_per_s"] = per_token * fig["decode_tok_s"]
+                fig["decode_share_of_stream"] = fig["decode_bytes_per_s"] / wall
         results[model.name] = {"path": str(model), "file_bytes": model.stat().st_size, "systems": systems,
-                               "comparison": compare(systems)}
+                               "comparison": compare(systems), "stream_read_bytes_per_s": wall,
+                               "decode_bytes_per_token": per_token}
         print(table(model.name, model.stat().st_size, sizes, systems, results[model.name]["comparison"]), flush=True)
+        print("  one-stream decode as a share of the C stream read of 2 GiB on the same threads "
+              f"({wall / 1e9:.1f} GB/s; {per_token / 1e9:.2f} GB of weights read per token): "
+              + ", ".join(f"{n} {f['decode_share_of_stream']:.0%}" for n, f in systems.items()
+                          if f.get("decode_share_of_stream")), flush=True)
     llama = peers["llama-server"]
     out = report.save_run("real-models", args.out_dir, {
         "threads": args.threads, "sizes": dataclasses.asdict(sizes), "systems": chosen,

@@ -37,7 +37,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path
     cmd = [sys.executable, "-m", "bench.real_models", "--model", str(default_model_path()),
            "--systems", ",".join(SYSTEMS),
            "--threads", "1", "--conveyor-kv-cache-memory", "64MiB", "--out-dir", str(out_dir),
-           "--log-dir", str(out_dir / "logs")]
+           "--log-dir", str(out_dir / "logs"), "--stream-bytes", str(64 << 20)]
     for name, value in TINY.items():
         cmd += ["--set", f"{name}={value}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240 + 150 * sum(BUILT.values()))
@@ -71,6 +71,11 @@ def test_conveyor_figures(bench_run: tuple[dict, str, Path]) -> None:
     assert name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     conveyor = result["systems"]["conveyor"]
     check_system(conveyor, result["file_bytes"], 64 / 1024)
+    # tied: the embedding is the output layer, read whole each step
+    assert 0 < result["decode_bytes_per_token"] <= result["file_bytes"] and result["stream_read_bytes_per_s"] > 0
+    assert conveyor["decode_share_of_stream"] == pytest.approx(
+        conveyor["decode_tok_s"] * result["decode_bytes_per_token"] / result["stream_read_bytes_per_s"])
+    assert "one-stream decode as a share of the C stream read" in stdout
     assert [launch["label"] for launch in conveyor["launches"]] == ["warm"]
     processes = conveyor["launches"][0]["process_peak_rss_bytes"]
     assert "server" in processes and len(processes) >= 2   # the engine core is a child process

@@ -30,8 +30,8 @@ BLOCK_SIZE = 16
 # Every supported type in use, fused groups included: q/k/v Q8_0, gate/up Q4_1, the rest Q4_0.
 TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0"}
-# The K-quants and Q5_0, mixed inside the fused q/k/v and gate/up as Q4_K_M files mix them, and one type
-# without a kernel (Q5_1, requantized to Q8_0); K = 256 and 512, multiples of the K-quants' 256.
+# The K-quants, Q5_0 and Q5_1, mixed inside the fused q/k/v and gate/up as Q4_K_M files mix them, and one
+# type without a kernel (TQ2_0, requantized to Q8_0); K = 256 and 512, multiples of the K-quants' 256.
 K_HIDDEN, K_FFN = 256, 512
 K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
            "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q5_K"}
@@ -91,7 +91,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("kquant") / "tiny-k.gguf", K_HIDDEN, K_FFN, K_TYPES, "Q6_K",
-                           output_type="Q8_0", overrides={"blk.1.ffn_up.weight": "Q5_1"})
+                           output_type="Q8_0", overrides={"blk.1.ffn_up.weight": "TQ2_0",
+                                                                  "blk.0.attn_output.weight": "Q5_1"})
 
 
 def _load(path: Path, quantization: str) -> LlamaModel:
@@ -190,7 +191,8 @@ def test_kquant_file_keeps_each_format_as_a_segment(tiny_kquant_gguf: Path) -> N
     for i, layer in enumerate(kept.layers):
         formats = {name: [w.fmt for w in layer.get_submodule(name).weights]
                    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
-        assert formats == {"self_attn.qkv_proj": ["q4_k", "q5_k", "q6_k"], "self_attn.o_proj": ["q5_0"],
+        assert formats == {"self_attn.qkv_proj": ["q4_k", "q5_k", "q6_k"],
+                           "self_attn.o_proj": ["q5_1" if i == 0 else "q5_0"],
                            "mlp.gate_up_proj": ["q4_k", "q6_k" if i == 0 else "q8_0"], "mlp.down_proj": ["q5_k"]}
         assert layer.fused is not None   # the whole layer still runs as one C call
     assert [w.fmt for w in kept.lm_head.weights] == ["q8_0"]
