@@ -1,8 +1,8 @@
 /* The linear layer that runs every quantized format as segments of one output (a fused q/k/v whose
  * parts differ in format quantizes its activations once per scheme), and the activations of
- * quant.c's formats and Q5_0: int8 per row and 32-k block (d_x = amax / 127), with their sums.
- * The kernels are quant.c's (Q8_0, Q4_0, Q4_1) and kquant_k.c's (Q5_0 and the K-quants, whose
- * activations kquant_k.c quantizes per 256 k); work items are (block of MC rows, panel of 32
+ * quant.c's formats and the 32-k ones of kquant_k.c (Q5_0, Q5_1, IQ4_NL): int8 per row and 32-k
+ * block (d_x = amax / 127), with their sums. The kernels are quant.c's (Q8_0, Q4_0, Q4_1) and
+ * kquant_k.c's (the rest; it quantizes the 256-k formats' activations itself); work items are (block of MC rows, panel of 32
  * output channels), and a row's result never depends on which item or thread computed it.
  */
 #include <math.h>

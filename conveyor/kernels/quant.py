@@ -1,9 +1,10 @@
-"""Weights kept quantized in GGUF's block formats, and the linear layer over them (quant.c, kquant.c).
+"""Weights kept quantized in GGUF's block formats, and the linear layer over them (quant.c, kquant_k.c,
+kquant.c).
 
 Q8_0 / Q4_0 / Q4_1 (and int8 made from float checkpoints) are stored as unsigned codes with a zero
-point, w = d * (code - zp) (+ m for Q4_1), in the layout described at the top of quant.c; Q5_0,
-Q4_K, Q5_K and Q6_K keep their own scales and are repacked in C straight from the file's blocks
-(kquant.c). Every repacking is lossless. A linear layer is a list of segments along N, each in its
+point, w = d * (code - zp) (+ m for Q4_1), in the layout described at the top of quant.c; Q5_0, Q5_1,
+IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_K and Q6_K keep their own scales and are repacked in C straight from
+the file's blocks (kquant_repack.c, layout in kquant.h). Every repacking is lossless. A linear layer is a list of segments along N, each in its
 own format, sharing one quantization of the activations (a fused q/k/v whose parts differ).
 """
 
