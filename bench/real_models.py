@@ -201,7 +201,7 @@ class Measurement:
             ttfts = [served(server.base_url, [p]).records[0].ttft_s for p in prompts]
             fig["prompt_ttft_ms"] = 1000 * statistics.median(ttfts)
             fig["prompt_tok_s"] = s.prompt_tokens / statistics.median(ttfts)
-            fig["greedy_texts"] = [greedy_text(server.base_url, p, s.greedy_tokens) for p in greedy_prompts]
+            fig["greedy_texts"] = [self.greedy(server.base_url, p) for p in greedy_prompts]
             if not self.server.sweeps_parallel:
                 fig["batch"] = self.batch(server.base_url)
         self.ended(server)
@@ -225,6 +225,17 @@ class Measurement:
             fig.update(kv_cache_gib=peak["kv_cache_bytes"] / GIB, memory_budget_gib=budget / GIB,
                        memory_within_budget=peak["peak_rss_bytes"] <= budget)
         return fig
+
+    def greedy(self, base_url: str, prompt: list[int]) -> str | None:
+        """One greedy text, None where the server refuses it: a random-weights file can end on a broken
+        UTF-8 sequence that a peer fails to serialize (ik_llama.cpp answers 500), and that must not cost
+        the figures measured before it."""
+        try:
+            return greedy_text(base_url, prompt, self.sizes.greedy_tokens)
+        except httpx.HTTPStatusError as exc:
+            error = f"{exc.response.status_code}: {exc.response.text[:200]}"
+            self.figures.setdefault("greedy_errors", []).append(error)
+            return None
 
     def batch(self, base_url: str) -> dict:
         s = self.sizes

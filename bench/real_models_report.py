@@ -49,7 +49,7 @@ def compare(systems: dict[str, dict]) -> dict:
     agreement = {}
     for name, fig in peers.items():
         if ours.get("greedy_texts") and fig.get("greedy_texts"):
-            same = [x == y for x, y in zip(ours["greedy_texts"], fig["greedy_texts"])]
+            same = [x == y and x is not None for x, y in zip(ours["greedy_texts"], fig["greedy_texts"])]
             agreement[name] = {"identical": sum(same), "prompts": len(same), "per_prompt": same}
     return {"best_peer": best, "ratios": ratios, "greedy_agreement": agreement}
 
