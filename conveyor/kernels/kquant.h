@@ -41,9 +41,12 @@ static inline int64_t high_bytes(int fmt) {
 }
 static inline int64_t body_bytes(int fmt) { return low_bytes(fmt) + high_bytes(fmt); }
 static inline int64_t unit_bytes(int fmt) { return header_bytes(fmt) + unit_k(fmt) / QK * body_bytes(fmt); }
-/* The file's block: bytes per unit_k weights of one row. */
+/* The file's block: bytes per unit_k weights of one row (32 for Q8_0, Q4_0, Q4_1). */
 static inline int64_t file_block_bytes(int fmt) {
     switch (fmt) {
+        case FMT_Q8: return 34;
+        case FMT_Q4_0: return 18;
+        case FMT_Q4_1: return 20;
         case FMT_Q5_0: return 22;
         case FMT_Q5_1: return 24;
         case FMT_IQ4_NL: return 18;
@@ -58,7 +61,6 @@ static inline int64_t file_block_bytes(int fmt) {
 static inline int acts256(int fmt) { return fmt >= FMT_Q4_K && fmt != FMT_Q5_1 && fmt != FMT_IQ4_NL && fmt < FMT_END; }
 /* IQ4's codes are a table's values + 128 (up to 241): a dot needs more than int16 pairs. */
 static inline int wide_codes(int fmt) { return fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS; }
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 float kq_half_to_float(uint16_t h);
 int64_t quant_panel_bytes(int fmt, int64_t K);   /* quant.c: one panel of its formats */

@@ -133,7 +133,7 @@ static void repack_panel(void *arg, int64_t p) {
     const int legacy = fmt < FMT_Q5_0;
     const int64_t uk = legacy ? QK : unit_k(fmt), units = j->K / uk, blocks = uk / QK;
     const int64_t ub = legacy ? quant_panel_bytes(fmt, QK) : unit_bytes(fmt);
-    const int64_t fb = legacy ? (fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : 20) : file_block_bytes(fmt);
+    const int64_t fb = file_block_bytes(fmt);
     uint8_t *panel = j->out + p * units * ub;
     memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
     uint8_t q[256];
@@ -182,7 +182,7 @@ int kq_repack(int fmt, const uint8_t *raw, int64_t row_bytes, const int64_t *row
               uint8_t *out, int64_t num_threads) {
     if (fmt < 0 || fmt >= FMT_END) return -1;
     const int64_t uk = fmt < FMT_Q5_0 ? QK : unit_k(fmt);
-    const int64_t fb = fmt == FMT_Q8 ? 34 : fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : file_block_bytes(fmt);
+    const int64_t fb = file_block_bytes(fmt);
     if (K % uk || row_bytes < K / uk * fb) return -1;
     repack_job job = {fmt, raw, row_bytes, rows, N, K, out};
     pool_for((N + NR - 1) / NR, repack_panel, &job, num_threads);

@@ -37,6 +37,13 @@ def check_message_count(num_messages: int) -> None:
         raise ValueError(f"a chat has at most {MAX_CHAT_MESSAGES} messages, got {num_messages}")
 
 
+def bounded_messages(messages: object) -> object:
+    """A `messages` field's "before" validator: the list is counted before any message is parsed."""
+    if isinstance(messages, list):
+        check_message_count(len(messages))
+    return messages
+
+
 def check_choice_count(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES_PER_REQUEST:
         raise InvalidRequest(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} choices; "

@@ -32,7 +32,7 @@ from conveyor.sampling_params import (
 )
 from conveyor.server.chat_schemas import REQUEST_CONFIG, ChatMessage, NamedToolChoice, Text, ToolDefinition
 from conveyor.server.chat_tools import tool_choice_constraint
-from conveyor.server.request_limits import check_message_count
+from conveyor.server.request_limits import bounded_messages
 
 # ---------------------------------------------------------------------------------------------
 # Requests
@@ -307,10 +307,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("messages", mode="before")
     @classmethod
     def _bounded_messages(cls, messages: Any) -> Any:
-        """Counted before any message is parsed."""
-        if isinstance(messages, list):
-            check_message_count(len(messages))
-        return messages
+        return bounded_messages(messages)
 
     def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
         """Besides the constraint fields, tool_choice required or a named function is a grammar."""

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from conveyor.errors import InvalidRequest
 from conveyor.server.chat_schemas import ChatMessage
 from conveyor.server.openai_serving import OpenAIServing
-from conveyor.server.request_limits import check_message_count
+from conveyor.server.request_limits import bounded_messages
 
 _THREAD_DECODE_TOKENS = 16384
 
@@ -41,9 +41,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("messages", mode="before")
     @classmethod
     def _bounded_messages(cls, messages: Any) -> Any:
-        if isinstance(messages, list):
-            check_message_count(len(messages))
-        return messages
+        return bounded_messages(messages)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
