@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--stream", action="store_true",
                         help="also measure the C stream read of 2 GiB on each thread count (the wall), in the same run")
+    parser.add_argument("--resident", action="store_true",
+                        help="one copy of each weight, no rotation: with a shape that fits the caches this is the "
+                             "kernel's compute ceiling, the rate it could stream at if memory kept up")
     args = parser.parse_args()
     native = kernels.cpu_features()
     libs = {}
@@ -85,7 +88,8 @@ def main() -> None:
                 continue
             blocks = None if fmt in ("f32", "int8") else _blocks(fmt, w)
             one_copy = n * k * 4 if fmt == "f32" else n * k if fmt == "int8" else blocks.nbytes
-            copies = max(2, -(-ROTATE_BYTES // one_copy))   # the copies together exceed the last-level cache
+            # the copies together exceed the last-level cache, unless the compute ceiling is asked for
+            copies = 1 if args.resident else max(2, -(-ROTATE_BYTES // one_copy))
             weights = {}
             for name, lib in libs.items():
                 if fmt == "f32":

@@ -34,6 +34,9 @@
 #else
 #define ROWS 1
 #endif
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS (2 * ROWS)
+#endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192   /* into L2 (locality 1): ahead of the hardware prefetcher, which stops at 4 KiB pages */
 #endif
@@ -237,8 +240,10 @@ KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded
 
 KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
     const int64_t units = a->K / unit_k(fmt);
-    if (M <= ROWS) {
-        for (int64_t u = 0; u < units; u++) rows_of_unit(fmt, wp + u * unit_bytes(fmt), NULL, a, u, 0, (int)M, acc);
+    if (M <= DIRECT_ROWS) {   /* each pass of ROWS rows reads the unit from the panel (L1 after the first) */
+        for (int64_t u = 0; u < units; u++)
+            for (int64_t r = 0; r < M; r += ROWS)
+                rows_of_unit(fmt, wp + u * unit_bytes(fmt), NULL, a, u, r, (int)(M - r < ROWS ? M - r : ROWS), acc + r);
         return;
     }
     _Alignas(64) uint8_t decoded[8 * 8 * 128];
