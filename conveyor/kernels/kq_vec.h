@@ -37,6 +37,10 @@ KQV v16i vi8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((co
 /* acc + per lane the dot of its 4 unsigned code bytes with the 4 signed bytes at x */
 KQV v16i vdot(v16i acc, v16i codes, const int8_t *x) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(load_i32(x))); }
 KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) { return vdot(acc, codes, x); }   /* codes up to 255 */
+/* lo | hi << 16 per lane (both < 2^15): a pair of int16 for vdot16 */
+KQV v16i vpair(v16i lo, v16i hi) { return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)); }
+/* acc + per lane the dot of its two int16 with the two int16 of x (low, high) */
+KQV v16i vdot16(v16i acc, v16i pairs, int32_t x) { return _mm512_dpwssd_epi32(acc, pairs, _mm512_set1_epi32(x)); }
 /* each byte (< 16) -> table[byte] */
 KQV v16i vlut(v16i idx, const uint8_t *table) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), idx);
@@ -106,6 +110,22 @@ KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) {
     const __m256i xb = _mm256_set1_epi32(load_i32(x));
     return V2(dot8w(acc.a, codes.a, xb), dot8w(acc.b, codes.b, xb));
 }
+KQV v16i vpair(v16i lo, v16i hi) {
+    return V2(_mm256_or_si256(lo.a, _mm256_slli_epi32(hi.a, 16)), _mm256_or_si256(lo.b, _mm256_slli_epi32(hi.b, 16)));
+}
+KQV __m256i dot8_16(__m256i acc, __m256i pairs, __m256i x) {
+#if KQV_ISA == 3 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, pairs, x);
+#elif KQV_ISA == 3
+    return _mm256_dpwssd_avx_epi32(acc, pairs, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, x));
+#endif
+}
+KQV v16i vdot16(v16i acc, v16i pairs, int32_t x) {
+    const __m256i xb = _mm256_set1_epi32(x);
+    return V2(dot8_16(acc.a, pairs.a, xb), dot8_16(acc.b, pairs.b, xb));
+}
 KQV v16i vlut(v16i idx, const uint8_t *table) {
     const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
     return V2(_mm256_shuffle_epi8(t, idx.a), _mm256_shuffle_epi8(t, idx.b));
@@ -146,6 +166,11 @@ KQV v16i vdot(v16i acc, v16i c, const int8_t *x) {
     return acc;
 }
 KQV v16i vdotw(v16i acc, v16i codes, const int8_t *x) { return vdot(acc, codes, x); }
+KQV v16i vpair(v16i lo, v16i hi) { LANES(lo.i[l] = (int32_t)((uint32_t)lo.i[l] | (uint32_t)hi.i[l] << 16)) return lo; }
+KQV v16i vdot16(v16i acc, v16i p, int32_t x) {
+    LANES(acc.i[l] += (int16_t)(p.i[l] & 0xffff) * (int16_t)(x & 0xffff) + (int16_t)((uint32_t)p.i[l] >> 16) * (int16_t)((uint32_t)x >> 16))
+    return acc;
+}
 KQV v16i vlut(v16i idx, const uint8_t *table) { for (int i = 0; i < 64; i++) idx.b[i] = table[idx.b[i] & 15]; return idx; }
 KQV v16f vf16(const uint8_t *p) { v16f r; uint16_t h[16]; memcpy(h, p, 32); LANES(r.f[l] = f16_to_f32(h[l])) return r; }
 KQV v16f vcvt(v16i x) { v16f r; LANES(r.f[l] = (float)x.i[l]) return r; }

@@ -31,7 +31,8 @@ static inline int64_t header_bytes(int fmt) {
         case FMT_Q5_1: return 128;                             /* d[32] m[32] */
         case FMT_IQ4_XS: return 320;                           /* d[32], sc[8][32] i8 */
         case FMT_Q6_K: case FMT_Q3_K: return 576;              /* d[32], sc[16][32] i8 */
-        default: return 640;                                   /* Q4_K, Q5_K: d[32] dmin[32], sc[8][32] m[8][32] */
+        default: return 512;   /* Q4_K, Q5_K: d[32] dmin[32], S[8][32] = sc_j | (m_j >> 4) << 6,
+                                * ML[4][32] = m_2p & 15 | (m_2p+1 & 15) << 4: the file's 6-bit bytes */
     }
 }
 /* The low bits' plane of a block (nibbles; Q3_K: 2 bits), then its high bits' plane. */

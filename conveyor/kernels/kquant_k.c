@@ -168,15 +168,23 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                     const v16i b = vsub(db[r][h], vset(x[r].o16[2 * j + 1] >> sh));
                     si[r][h] = vadd(si[r][h], vadd(vmul(sa, a), vmul(sb, b)));
                 }
-            } else {
-                const v16i sc = vu8(unit + 128 + j * 32 + h * 16), m = vu8(unit + 384 + j * 32 + h * 16);
-                for (int r = 0; r < mr; r++) {
-                    si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
-                    sm[r][h] = vadd(sm[r][h], vmul(m, vset(x[r].bs32[j])));
-                }
+            } else {   /* Q4_K, Q5_K: the scale is S's low 6 bits; the mins meet the sums once a unit, below */
+                const v16i sc = vand8(vu8(unit + 128 + j * 32 + h * 16), 63);
+                for (int r = 0; r < mr; r++) si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
             }
         }
     }
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K)   /* sm = sum_j m_j bsum_j, two blocks per int16 pair */
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 4; p++) {
+                const v16i ml = vu8(unit + 384 + p * 32 + h * 16);
+                const v16i s0 = vu8(unit + 128 + 2 * p * 32 + h * 16), s1 = vu8(unit + 128 + (2 * p + 1) * 32 + h * 16);
+                const v16i m = vpair(vor(vand8(ml, 15), vand8(vshift(s0, -2), 0x30)),
+                                     vor(vand8(vshift(ml, -4), 15), vand8(vshift(s1, -2), 0x30)));
+                for (int r = 0; r < mr; r++)
+                    sm[r][h] = vdot16(sm[r][h], m, (int32_t)((uint32_t)(uint16_t)x[r].bs32[2 * p] |
+                                                              (uint32_t)x[r].bs32[2 * p + 1] << 16));
+            }
     for (int h = 0; h < 2; h++) {
         const v16f d = vf16(unit + h * 32);
         if (fmt == FMT_Q5_1) {   /* d q + m per weight: the min meets the block's sum */

@@ -101,7 +101,10 @@ static void unit_header(int fmt, int c, const uint8_t *b, uint8_t *hdr) {
         if (fmt == FMT_Q5_1) memcpy(hdr + 64 + 2 * c, b + 2, 2);
         if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
             memcpy(hdr + 64 + 2 * c, b + 2, 2);
-            for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, hdr + 128 + s * 32 + c, hdr + 384 + s * 32 + c);
+            uint8_t sc[8], m[8];
+            for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, sc + s, m + s);
+            for (int s = 0; s < 8; s++) hdr[128 + s * 32 + c] = (uint8_t)(sc[s] | (m[s] >> 4) << 6);
+            for (int p = 0; p < 4; p++) hdr[384 + p * 32 + c] = (uint8_t)((m[2 * p] & 15) | (m[2 * p + 1] & 15) << 4);
         }
     }
 }
