@@ -41,6 +41,15 @@ static inline int64_t high_bytes(int fmt) {
     return fmt == FMT_Q6_K ? 256 : fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q5_K || fmt == FMT_Q3_K ? 128 : 0;
 }
 static inline int64_t body_bytes(int fmt) { return low_bytes(fmt) + high_bytes(fmt); }
+/* Where group g's (4 k of 32 channels) low and high bits start in its block. Q6_K's planes alternate,
+ * two low lines then their high line, so a block is read front to back; the others' high plane
+ * follows the whole low plane. */
+static inline int64_t low_line(int fmt, int g) {
+    return fmt == FMT_Q6_K ? (g / 2) * 192 + (g % 2) * 64 : fmt == FMT_Q3_K ? (g / 2) * 64 : g * 64;
+}
+static inline int64_t high_line(int fmt, int g) {
+    return fmt == FMT_Q6_K ? (g / 2) * 192 + 128 : low_bytes(fmt) + (g / 4) * 64;
+}
 static inline int64_t unit_bytes(int fmt) { return header_bytes(fmt) + unit_k(fmt) / QK * body_bytes(fmt); }
 /* The file's block: bytes per unit_k weights of one row (32 for Q8_0, Q4_0, Q4_1). */
 static inline int64_t file_block_bytes(int fmt) {

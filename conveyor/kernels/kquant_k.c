@@ -83,27 +83,27 @@ int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *
 static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kquant.h's planes. */
-KQV void group_codes(const int fmt, const uint8_t *nib, const uint8_t *high, const int g, v16i *lo, v16i *hi) {
+KQV void group_codes(const int fmt, const uint8_t *blk, const int g, v16i *lo, v16i *hi) {
     if (fmt == FMT_Q3_K) {   /* 2 low bits, then bit 2 from a Q5-style plane */
-        const v16i v = vload(nib + 64 * (g / 2)), u = vload(high + 64 * (g / 4));
+        const v16i v = vload(blk + low_line(fmt, g)), u = vload(blk + high_line(fmt, g));
         const int t = g % 2, w = g % 4;
         *lo = vor(vand8(vshift(v, -4 * t), 0x03), vand8(vshift(u, 2 - 2 * w), 0x04));
         *hi = vor(vand8(vshift(v, -4 * t - 2), 0x03), vand8(vshift(u, 1 - 2 * w), 0x04));
         return;
     }
-    const v16i v = vload(nib + 64 * g);
+    const v16i v = vload(blk + low_line(fmt, g));
     *lo = vand8(v, 0x0f);
     *hi = vand8(vshift(v, -4), 0x0f);
     if (fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS) {
         *lo = vlut(*lo, IQ4_CODES);
         *hi = vlut(*hi, IQ4_CODES);
     } else if (fmt == FMT_Q5_K || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
-        const v16i u = vload(high + 64 * (g / 4));
+        const v16i u = vload(blk + high_line(fmt, g));
         const int t = g % 4;
         *lo = vor(*lo, vand8(vshift(u, 4 - 2 * t), 0x10));
         *hi = vor(*hi, vand8(vshift(u, 3 - 2 * t), 0x10));
     } else if (fmt == FMT_Q6_K) {   /* bits 4t..4t+1, 4t+2..4t+3 of plane byte g / 2 -> bits 4, 5 */
-        const v16i u = vload(high + 64 * (g / 2));
+        const v16i u = vload(blk + high_line(fmt, g));
         const int t = g % 2;
         *lo = vor(*lo, vand8(vshift(u, 4 - 4 * t), 0x30));
         *hi = vor(*hi, vand8(vshift(u, 2 - 4 * t), 0x30));
@@ -128,9 +128,9 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
     for (int j = 0; j < unit_blocks(fmt); j++) {
-        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt), *high = nib + low_bytes(fmt);
+        const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
         if (!decoded)   /* the block's lines (the first block's with the header), PREFETCH_BYTES ahead */
-            for (int64_t i = j ? (nib - unit) & ~63 : 0; i < nib - unit + body_bytes(fmt); i += 64)
+            for (int64_t i = j ? (blk - unit) & ~63 : 0; i < blk - unit + body_bytes(fmt); i += 64)
                 __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + i, 0, 1);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
@@ -140,7 +140,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                 lo = vload(decoded + (j * 8 + g) * 128);
                 hi = vload(decoded + (j * 8 + g) * 128 + 64);
             } else {
-                group_codes(fmt, nib, high, g, &lo, &hi);
+                group_codes(fmt, blk, g, &lo, &hi);
             }
             for (int r = 0; r < mr; r++) {
                 const int8_t *xq = x[r].q + j * 32 + g * 4;
@@ -213,10 +213,10 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
 KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + i, 0, 1);
     for (int j = 0; j < unit_blocks(fmt); j++) {
-        const uint8_t *nib = unit + header_bytes(fmt) + j * body_bytes(fmt);
+        const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
-            group_codes(fmt, nib, nib + low_bytes(fmt), g, &lo, &hi);
+            group_codes(fmt, blk, g, &lo, &hi);
             vstore(out + (j * 8 + g) * 128, lo);
             vstore(out + (j * 8 + g) * 128 + 64, hi);
         }

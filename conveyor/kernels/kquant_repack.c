@@ -152,7 +152,7 @@ static void repack_panel(void *arg, int64_t p) {
             unit_header(fmt, c, b, hdr);
             const int low_bits = fmt == FMT_Q3_K ? 2 : 4;
             for (int64_t kb = 0; kb < blocks; kb++) {
-                uint8_t *nib = unit + header_bytes(fmt) + kb * body_bytes(fmt), *high = nib + low_bytes(fmt);
+                uint8_t *blk = unit + header_bytes(fmt) + kb * body_bytes(fmt);
                 const uint8_t *qb = q + kb * QK;
                 const int shift = c < 16 ? 0 : 4;
                 for (int g = 0; g < 8; g++) {   /* a channel's 4 k of a group are 4 adjacent bytes */
@@ -161,14 +161,14 @@ static void repack_panel(void *arg, int64_t p) {
                         lo |= (uint32_t)(qb[g * 4 + i] & ((1 << low_bits) - 1)) << (8 * i);
                         hi |= (uint32_t)(qb[g * 4 + i] >> low_bits) << (8 * i);
                     }
-                    uint8_t *dst = low_bits == 2 ? nib + (g / 2) * 64 + (c % 16) * 4 : nib + g * 64 + (c % 16) * 4;
+                    uint8_t *dst = blk + low_line(fmt, g) + (c % 16) * 4;
                     memcpy(&word, dst, 4);
                     word |= lo << (low_bits == 2 ? 4 * (g % 2) + 2 * (c >= 16) : shift);
                     memcpy(dst, &word, 4);
                     if (high_bytes(fmt) == 0) continue;
                     int hs;   /* where this channel's high bits of group g sit in its plane byte */
-                    if (fmt != FMT_Q6_K) { dst = high + (g / 4) * 64 + (c % 16) * 4; hs = 2 * (g % 4) + (c >= 16); }
-                    else { dst = high + (g / 2) * 64 + (c % 16) * 4; hs = 4 * (g % 2) + 2 * (c >= 16); }
+                    dst = blk + high_line(fmt, g) + (c % 16) * 4;
+                    hs = fmt == FMT_Q6_K ? 4 * (g % 2) + 2 * (c >= 16) : 2 * (g % 4) + (c >= 16);
                     memcpy(&word, dst, 4);
                     word |= hi << hs;
                     memcpy(dst, &word, 4);
