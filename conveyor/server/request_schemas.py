@@ -303,6 +303,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="further variables for the chat template, such as enable_thinking")
+    thinking_token_budget: Annotated[int, _ints(minimum=0)] | None = Field(
+        None, description="with --reasoning-parser: at most this many tokens of thinking, then </think> is forced")
 
     @field_validator("messages", mode="before")
     @classmethod
