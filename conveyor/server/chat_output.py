@@ -21,6 +21,7 @@ from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser
 if TYPE_CHECKING:
     from conveyor.engine.tokenizer import Tokenizer
     from conveyor.server.request_schemas import ChatCompletionRequest
+    from conveyor.server.streaming import PromptGroup
 
 
 class ChatOutputSplitter:
@@ -97,6 +98,21 @@ class Thinking:
         reasoning = ReasoningStream(self.in_reasoning) if self.parser is not None else None
         tools = ToolCallStreamParser() if body.effective_tool_choice != "none" else None
         return ChatOutputSplitter(reasoning, tools, body.forces_tool_calls)
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A started chat request: its engine requests, prompts, and one splitter per choice."""
+
+    group: PromptGroup
+    prompts: list[list[int]]
+    thinking: Thinking
+    splitters: list[ChatOutputSplitter]
+
+    @property
+    def num_reasoning_tokens(self) -> int | None:
+        """None without a reasoning parser (usage then has no completion_tokens_details)."""
+        return sum(s.num_reasoning_tokens for s in self.splitters) if self.thinking.parser else None
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:

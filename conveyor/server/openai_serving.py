@@ -55,7 +55,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.chat_tools import template_input
 from conveyor.server.tool_calls import ToolCall, parse_tool_calls
-from conveyor.server.chat_output import (ChatOutputSplitter, Thinking, finish_reason, tool_call_deltas,
+from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
                                          tool_calls_out)
 from conveyor.server.streaming import (
     DONE_EVENT,
@@ -278,6 +278,26 @@ class OpenAIServing:
     # ------------------------------------------------------------ /v1/chat/completions
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        run = await self.start_chat(body, request, "chatcmpl")
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        group, prompts, splitters = run.group, run.prompts, run.splitters
+        created = int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._chat_events(group, prompts, created, body, run), group)
+        try:
+            choices = await self._collect(request, group, splitters)
+        except ClientDisconnected:
+            return self._disconnected(group)
+        return await respond_off_loop(lambda: ChatCompletionResponse(
+            id=group.group_id, created=created, model=self.model_name,
+            choices=[self._chat_choice(i, c, body, s) for i, (c, s) in enumerate(zip(choices, splitters))],
+            usage=self._usage(prompts, sum(c.num_tokens for c in choices), run.num_reasoning_tokens),
+        ))
+
+    async def start_chat(self, body: ChatCompletionRequest, request: Request, prefix: str) -> ChatRun | None:
+        """A chat request's engine requests, started (or refused); None when the client left while its
+        grammar compiled. The Responses API runs through here too."""
         self.check_model(body.model)
         tenant = tenant_of(request, body.user)
         params = body.sampling_params()
@@ -287,31 +307,18 @@ class OpenAIServing:
         thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, body.thinking_token_budget)
         params = thinking.constrain(params)
         if not await self.compile_grammar(params, body.constraint_field, request):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return None
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, tenant, request)
+            group = self._start(prefix, prompts, params, body.priority, tenant, request)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
             elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
-        created = int(time.time())
-        splitters = [thinking.splitter(body) for _ in range(group.num_prompts)]
-        if body.stream:
-            return EventStreamResponse(self._chat_events(group, prompts, created, body, splitters, thinking), group)
-        try:
-            choices = await self._collect(request, group, splitters)
-        except ClientDisconnected:
-            return self._disconnected(group)
-        num_reasoning = sum(s.num_reasoning_tokens for s in splitters) if thinking.parser else None
-        return await respond_off_loop(lambda: ChatCompletionResponse(
-            id=group.group_id, created=created, model=self.model_name,
-            choices=[self._chat_choice(i, c, body, s) for i, (c, s) in enumerate(zip(choices, splitters))],
-            usage=self._usage(prompts, sum(c.num_tokens for c in choices), num_reasoning),
-        ))
+        return ChatRun(group, prompts, thinking, [thinking.splitter(body) for _ in range(group.num_prompts)])
 
     def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest,
                      splitter: ChatOutputSplitter) -> ChatChoice:
@@ -332,8 +339,7 @@ class OpenAIServing:
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
-                           body: ChatCompletionRequest, splitters: list[ChatOutputSplitter],
-                           thinking: Thinking) -> AsyncIterator[str]:
+                           body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=group.group_id, created=created, model=self.model_name,
                                            choices=choices, usage=usage).model_dump_json())
@@ -345,7 +351,7 @@ class OpenAIServing:
         try:
             async for index, output in group.outputs():
                 num_tokens += len(output.new_token_ids)
-                splitter = splitters[index]
+                splitter = run.splitters[index]
                 reasoning, text, calls = splitter.feed(output.new_text, len(output.new_token_ids), output.finished)
                 if not (reasoning or text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
@@ -362,8 +368,7 @@ class OpenAIServing:
             yield DONE_EVENT
             return
         if body.include_usage:
-            num_reasoning = sum(s.num_reasoning_tokens for s in splitters) if thinking.parser else None
-            yield chunk([], self._usage(prompts, num_tokens, num_reasoning))
+            yield chunk([], self._usage(prompts, num_tokens, run.num_reasoning_tokens))
         yield DONE_EVENT
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
