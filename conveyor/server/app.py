@@ -89,7 +89,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=server.stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
     serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars, server.grammar,
-                            server.reasoning_parser)
+                            server.reasoning_parser, server.tool_call_parser)
     created = int(time.time())
 
     watchdog = CoreWatchdog(async_engine, server.core_stall_timeout_s)

@@ -17,6 +17,7 @@ from conveyor.sampling_params import SamplingParams, ThinkingBudget
 from conveyor.server.reasoning import THINK_END, THINK_START, ReasoningStream, starts_in_reasoning
 from conveyor.server.responses import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
 from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser
+from conveyor.server.tool_syntaxes import CallSyntax
 
 if TYPE_CHECKING:
     from conveyor.engine.tokenizer import Tokenizer
@@ -55,7 +56,8 @@ class ChatOutputSplitter:
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if finished:
-                content += self.tools.finish()
+                rest, more = self.tools.finish()
+                content, calls = content + rest, calls + more
             if self.forces_tool_calls:   # the grammar admits only calls: other text is a call cut short
                 content = ""
         return thinking, content, calls
@@ -94,9 +96,10 @@ class Thinking:
             constraint = dataclasses.replace(constraint, after_thinking="open" if self.in_reasoning else "optional")
         return dataclasses.replace(params, structured_outputs=constraint, thinking_budget=self.budget)
 
-    def splitter(self, body: ChatCompletionRequest) -> ChatOutputSplitter:
+    def splitter(self, body: ChatCompletionRequest, tool_forms: tuple[CallSyntax, ...]) -> ChatOutputSplitter:
         reasoning = ReasoningStream(self.in_reasoning) if self.parser is not None else None
-        tools = ToolCallStreamParser() if body.effective_tool_choice != "none" else None
+        tools = (ToolCallStreamParser(tool_forms, body.tool_names) if body.effective_tool_choice != "none"
+                 else None)
         return ChatOutputSplitter(reasoning, tools, body.forces_tool_calls)
 
 

@@ -55,6 +55,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.chat_tools import template_input
 from conveyor.server.tool_calls import ToolCall, parse_tool_calls
+from conveyor.server.tool_syntaxes import resolve_tool_call_parser, syntaxes
 from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
                                          tool_calls_out)
 from conveyor.server.streaming import (
@@ -86,9 +87,13 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None,
-                 grammar_limits: GrammarLimits = GrammarLimits(), reasoning_parser: str | None = None) -> None:
+                 grammar_limits: GrammarLimits = GrammarLimits(), reasoning_parser: str | None = None,
+                 tool_call_parser: str = "auto") -> None:
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        parser = resolve_tool_call_parser(tool_call_parser, engine.tokenizer.chat_template)
+        logger.info("tool calls under tool_choice auto are read as %s (--tool-call-parser %s)", parser, tool_call_parser)
+        self.tool_forms = syntaxes(parser)
         self.grammar_gate = GrammarGate(engine.grammars, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -318,7 +323,8 @@ class OpenAIServing:
             elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
-        return ChatRun(group, prompts, thinking, [thinking.splitter(body) for _ in range(group.num_prompts)])
+        return ChatRun(group, prompts, thinking,
+                       [thinking.splitter(body, self.tool_forms) for _ in range(group.num_prompts)])
 
     def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest,
                      splitter: ChatOutputSplitter) -> ChatChoice:
@@ -326,7 +332,7 @@ class OpenAIServing:
         reasoning = "".join(choice.thinking) if splitter.reasoning is not None and splitter.reasoning.thought else None
         calls: list[ToolCall] = []
         if body.effective_tool_choice != "none":
-            parsed, calls = parse_tool_calls(content or "")
+            parsed, calls = parse_tool_calls(content or "", self.tool_forms, body.tool_names)
             if calls:   # a reply without calls keeps its text as generated
                 content = parsed
             if body.forces_tool_calls:   # any text besides the calls is a call cut short by max_tokens

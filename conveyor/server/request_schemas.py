@@ -332,6 +332,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(tool.function.name for tool in self.tools or [])
+
+    @property
     def forces_tool_calls(self) -> bool:
         """required or a named function: the grammar admits only calls, so the reply has no content."""
         return bool(self.tools) and self.effective_tool_choice not in ("none", "auto")
