@@ -24,6 +24,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.schema_bounds import bounded_schema_text
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 
@@ -92,8 +93,7 @@ class GrammarCompiler:
             if spec.after_thinking is not None:
                 return compiler.compile_grammar(_after_thinking(spec))
             if spec.json_object or spec.json is not None:
-                schema = (_ANY_OBJECT if spec.json_object else
-                          spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+                schema = _ANY_OBJECT if spec.json_object else bounded_schema_text(spec.json)
                 # Compact JSON: a small model left free whitespace pretty-prints until its budget runs out.
                 return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
             if spec.regex is not None:
@@ -115,7 +115,7 @@ def _after_thinking(spec: StructuredOutputsParams) -> Any:
     whitespace after it), either from the start ("open") or in an optional leading <think> block."""
     xgr = _xgrammar()
     if spec.json_object or spec.json is not None:
-        schema = _ANY_OBJECT if spec.json_object else spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        schema = _ANY_OBJECT if spec.json_object else bounded_schema_text(spec.json)
         base = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
     elif spec.regex is not None:
         base = xgr.Grammar.from_regex(spec.regex)

@@ -81,8 +81,8 @@ class _Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    num_chars: int = 0
-    thinking: list[str] = field(default_factory=list)   # with a reasoning parser, the text is the answer only               # text emitted so far; completions' logprob text offsets start here
+    num_chars: int = 0               # text emitted so far; completions' logprob text offsets start here
+    thinking: list[str] = field(default_factory=list)   # with a reasoning parser, the text is the answer only
 
 
 class OpenAIServing:
@@ -92,7 +92,8 @@ class OpenAIServing:
         self.engine = engine
         self.reasoning_parser = reasoning_parser
         parser = resolve_tool_call_parser(tool_call_parser, engine.tokenizer.chat_template)
-        logger.info("tool calls under tool_choice auto are read as %s (--tool-call-parser %s)", parser, tool_call_parser)
+        logger.info("tool calls under tool_choice auto are read as %s (--tool-call-parser %s)", parser,
+                    tool_call_parser)
         self.tool_forms = syntaxes(parser)
         self.grammar_gate = GrammarGate(engine.grammars, grammar_limits)
         self.tokenizer = engine.tokenizer
@@ -185,7 +186,8 @@ class OpenAIServing:
     def _usage(prompts: list[list[int]], num_completion_tokens: int,
                num_reasoning_tokens: int | None = None) -> UsageInfo:
         num_prompt_tokens = sum(len(p) for p in prompts)
-        details = None if num_reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
+        details = (None if num_reasoning_tokens is None
+                   else CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens))
         return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                          total_tokens=num_prompt_tokens + num_completion_tokens, completion_tokens_details=details)
 
@@ -339,7 +341,8 @@ class OpenAIServing:
                 content = None
         if reasoning is not None and not content:
             content = None
-        message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls_out(calls) or None)
+        message = AssistantMessage(content=content, reasoning_content=reasoning,
+                                   tool_calls=tool_calls_out(calls) or None)
         return ChatChoice(index=index, message=message,
                           finish_reason=finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 
+from conveyor.server.tool_calls import partial_len
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -39,14 +41,6 @@ def starts_in_reasoning(parser: str, prompt_text: str) -> bool:
     if tail.endswith(THINK_END):
         return False
     return parser == "deepseek_r1"
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningStream:
@@ -92,7 +86,7 @@ class ReasoningStream:
             if self._state is _State.REASONING:
                 end = buf.find(THINK_END)
                 if end == -1:
-                    keep = _partial_suffix(buf, THINK_END)
+                    keep = partial_len(buf, THINK_END)
                     reasoning.append(buf[:len(buf) - keep])
                     self._buf = buf[len(buf) - keep:]
                     break

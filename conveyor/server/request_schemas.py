@@ -30,7 +30,14 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from conveyor.server.chat_schemas import REQUEST_CONFIG, ChatMessage, NamedToolChoice, Text, ToolDefinition
+from conveyor.server.chat_schemas import (
+    REQUEST_CONFIG,
+    ChatMessage,
+    NamedToolChoice,
+    Text,
+    ToolDefinition,
+    refuse_extra_fields,
+)
 from conveyor.server.chat_tools import tool_choice_constraint
 from conveyor.server.request_limits import bounded_messages
 
@@ -159,14 +166,7 @@ class _SamplingRequest(BaseModel):
 
     def check_fields(self) -> None:
         """400 for a field conveyor would otherwise ignore: an unsupported OpenAI field, or an unknown one."""
-        for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED_FIELDS:
-                reason, accepted = _UNSUPPORTED_FIELDS[name]
-                if value is not None and value not in accepted:
-                    raise InvalidRequest(f"{name}: {reason}", param=name)
-            elif value is not None:
-                raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
-                                     f"every request field)", param=name)
+        refuse_extra_fields(self.model_extra, _UNSUPPORTED_FIELDS)
 
     @property
     def include_usage(self) -> bool:

@@ -15,7 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conveyor.errors import InvalidRequest
-from conveyor.server.chat_schemas import REQUEST_CONFIG, Text
+from conveyor.server.chat_schemas import (
+    REQUEST_CONFIG,
+    FunctionDefinition,
+    NamedFunction,
+    Text,
+    refuse_extra_fields,
+)
 
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 _ITEM_CONFIG = ConfigDict(extra="ignore", strict=True)   # items echo back fields (status, annotations) we need not read
@@ -68,21 +74,14 @@ _ITEMS: dict[str, type[BaseModel]] = {"message": _Message, "function_call": _Fun
                                       "function_call_output": _FunctionCallOutput}
 
 
-class ResponsesTool(BaseModel):
-    model_config = REQUEST_CONFIG
+class ResponsesTool(FunctionDefinition):
+    """A function tool as the Responses API writes it: the function's fields beside its type."""
 
     type: Literal["function"]
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class NamedResponsesTool(BaseModel):
-    model_config = REQUEST_CONFIG
-
+class NamedResponsesTool(NamedFunction):
     type: Literal["function"]
-    name: Text
 
 
 class TextFormat(BaseModel):
@@ -121,13 +120,7 @@ class ResponsesRequest(BaseModel):
     user: Text | None = None
 
     def check_fields(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED:
-                reason, accepted = _UNSUPPORTED[name]
-                if value is not None and value not in accepted:
-                    raise InvalidRequest(f"{name}: {reason}", param=name)
-            elif value is not None:
-                raise InvalidRequest(f"{name}: unknown field; conveyor does not support it", param=name)
+        refuse_extra_fields(self.model_extra, _UNSUPPORTED)
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (dicts of ChatMessage's fields)."""

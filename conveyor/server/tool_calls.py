@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from conveyor.server.tool_syntaxes import HERMES, CallSyntax, ToolCall
 
-__all__ = ["ToolCall", "ToolCallStreamParser", "parse_tool_calls"]
+__all__ = ["ToolCall", "ToolCallStreamParser", "parse_tool_calls", "partial_len"]
 
 
 def parse_tool_calls(text: str, forms: tuple[CallSyntax, ...] = (HERMES,),
@@ -40,7 +40,7 @@ def parse_tool_calls(text: str, forms: tuple[CallSyntax, ...] = (HERMES,),
     return content, calls
 
 
-def _partial_len(text: str, marker: str) -> int:
+def partial_len(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:k]):
@@ -96,7 +96,7 @@ class ToolCallStreamParser:
                     keep = max(keep, len(stripped))
             else:
                 start = buf.find(form.open)
-                keep = max(keep, _partial_len(buf, form.open))
+                keep = max(keep, partial_len(buf, form.open))
             if start != -1 and (best == -1 or start < best):
                 best, best_form = start, form
         return best, best_form, keep

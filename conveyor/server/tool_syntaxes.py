@@ -54,7 +54,8 @@ def _loads(text: str) -> object:
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def _call(obj: object, names: frozenset[str] | None, argument_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
+def _call(obj: object, names: frozenset[str] | None,
+          argument_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
     """The call an object describes, or None."""
     if not isinstance(obj, dict):
         return None
