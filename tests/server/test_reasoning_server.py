@@ -1,8 +1,9 @@
 """Reasoning through a real server and the official openai client: a template that opens <think> (as
 DeepSeek-R1's and Qwen3's thinking templates do), --reasoning-parser splitting reasoning_content from
 the answer (non-streamed and streamed alike), thinking_token_budget forcing </think> after N tokens,
-reasoning tokens in usage, JSON schema applied after the thinking only, and chat_template_kwargs
-reaching the template (enable_thinking false renders a closed think block: no reasoning)."""
+reasoning tokens in usage, JSON schema and tool calls read after the thinking only,
+chat_template_kwargs reaching the template (enable_thinking false renders a closed think block: no
+reasoning), and the Responses API's reasoning items."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from server_helpers import RunningServer, start_server
 from test_errors import assert_error
 
 THINK_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}{% for tool in tools %}{{ ' ' + tool.function.name }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -114,3 +117,44 @@ def test_a_budget_without_a_reasoning_parser_is_refused(tiny_server: RunningServ
     response = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", timeout=30, json={
         "messages": ASK, "max_tokens": 2, "thinking_token_budget": 3})
     assert_error(response, 400, "invalid_request_error", param="thinking_token_budget")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                          "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_follows_the_thinking(client: openai.OpenAI, server: RunningServer) -> None:
+    # The model is made to write the call (a one-choice grammar, after the thinking): the split under test.
+    pytest.importorskip("xgrammar")
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    kwargs = dict(model=server.model_name, messages=ASK, temperature=0, max_tokens=150, tools=[WEATHER],
+                  extra_body={"thinking_token_budget": 3, "guided_choice": [written]})
+    reply = client.chat.completions.create(**kwargs)
+    message = reply.choices[0].message
+    assert message.reasoning_content and message.content is None
+    [call] = message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+    reasoning, calls = [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+            calls += choice.delta.tool_calls or []
+    assert "".join(reasoning) == message.reasoning_content
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", call.function.arguments)]
+
+
+def test_responses_api_gives_the_thinking_as_a_reasoning_item(client: openai.OpenAI, server: RunningServer) -> None:
+    chat = client.chat.completions.create(model=server.model_name, messages=ASK, temperature=0, max_tokens=6,
+                                          extra_body={"ignore_eos": True})
+    response = client.responses.create(model=server.model_name, input=ASK[0]["content"], temperature=0,
+                                       max_output_tokens=6)
+    item = response.output[0]
+    assert item.type == "reasoning" and item.content[0].text == chat.choices[0].message.reasoning_content
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens
+    events = list(client.responses.create(model=server.model_name, input=ASK[0]["content"], temperature=0,
+                                          max_output_tokens=6, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == item.content[0].text

@@ -74,3 +74,21 @@ def test_streamed_thinking_is_released_before_the_end_tag_arrives() -> None:
 ])
 def test_where_the_output_starts(parser: str, prompt: str, inside: bool) -> None:
     assert starts_in_reasoning(parser, prompt) is inside
+
+
+def test_a_call_written_inside_the_thinking_is_thinking_and_one_after_it_is_a_call() -> None:
+    from conveyor.server.chat_output import ChatOutputSplitter
+    from conveyor.server.tool_calls import ToolCallStreamParser
+
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    text = f"maybe {call}?</think>\n{call}"
+    splitter = ChatOutputSplitter(ReasoningStream(in_reasoning=True), ToolCallStreamParser(), forces_tool_calls=False)
+    reasoning, content, calls = [], [], []
+    for i, char in enumerate(text):
+        r, c, new = splitter.feed(char, 1, finished=i == len(text) - 1)
+        reasoning.append(r)
+        content.append(c)
+        calls += new
+    assert "".join(reasoning) == f"maybe {call}?" and "".join(content) == ""
+    assert [c.name for c in calls] == ["f"]
+    assert splitter.num_reasoning_tokens == len(f"maybe {call}?</think>")
