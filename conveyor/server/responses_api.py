@@ -8,7 +8,7 @@ events: response.created and .in_progress, then per item output_item.added, its 
 (reasoning_text.delta, content_part.added / output_text.delta / .done / content_part.done,
 function_call_arguments.delta / .done) and output_item.done, then response.completed.
 
-Responses are kept in memory (the last `max_stored`, unless `store` is false) so that
+Responses are kept in memory (the last 1024, at most 64 MiB, unless `store` is false) so that
 `previous_response_id` continues a conversation: the stored conversation, its output as assistant
 turns, then the new input. GET and DELETE /v1/responses/{id} read and drop them.
 """
@@ -34,22 +34,33 @@ from conveyor.server.streaming import ClientDisconnected, EventStreamResponse, e
 from conveyor.server.tool_calls import ToolCall
 
 MAX_STORED_RESPONSES = 1024
+MAX_STORED_BYTES = 64 * 2**20   # conversations can be long: the store is bounded in size as well as count
 # Chat field names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format"}
 
 
 class ResponseStore:
-    """The last `max_stored` responses and the conversations that led to them, least recent dropped first."""
+    """The last `max_stored` responses and the conversations that led to them, at most `max_bytes` of them
+    (as JSON), least recent dropped first."""
 
-    def __init__(self, max_stored: int = MAX_STORED_RESPONSES) -> None:
-        self.max_stored = max_stored
+    def __init__(self, max_stored: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.max_stored, self.max_bytes = max_stored, max_bytes
         self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self._num_bytes = 0
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
         self._items[response["id"]] = (response, conversation)
-        while len(self._items) > self.max_stored:
-            self._items.popitem(last=False)
+        self._sizes[response["id"]] = size
+        self._num_bytes += size
+        while len(self._items) > self.max_stored or (self._num_bytes > self.max_bytes and len(self._items) > 1):
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> None:
+        del self._items[response_id]
+        self._num_bytes -= self._sizes.pop(response_id)
 
     def get(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
         found = self._items.get(response_id)
@@ -61,7 +72,7 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._items[response_id]
+        self._drop(response_id)
 
 
 class _Output:

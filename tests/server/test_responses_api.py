@@ -105,6 +105,41 @@ def test_a_tool_call_then_its_output_continues_the_conversation(bundled_server: 
         {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}])
     assert follow.usage.input_tokens == chat.usage.prompt_tokens
     assert follow.output_text == (chat.choices[0].message.content or "")
+    # The same conversation as input items, without the stored response.
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls],
+             {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
+    whole = client.responses.create(model=tiny_server.model_name, input=items, max_output_tokens=4, temperature=0,
+                                    tools=[WEATHER])
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.output_text == follow.output_text
+
+    named = client.responses.create(model=tiny_server.model_name, input="Weather in Oslo?", tools=[WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                    temperature=0)
+    assert [item.name for item in named.output if item.type == "function_call"] == ["get_weather"]
+
+
+def test_text_format_json_schema(client: openai.OpenAI, tiny_server: RunningServer) -> None:
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    response = client.responses.create(model=tiny_server.model_name, input="a digit", max_output_tokens=20,
+                                       temperature=0, text={"format": {"type": "json_schema", "name": "digit",
+                                                                       "schema": schema}})
+    assert 0 <= json.loads(response.output_text)["n"] <= 9
+    assert response.text.format.type == "json_schema"
+
+
+def test_the_store_is_bounded_in_bytes() -> None:
+    from conveyor.errors import NotFound
+    from conveyor.server.responses_api import ResponseStore
+
+    store = ResponseStore(max_stored=10, max_bytes=300)
+    for i in range(4):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 100}])
+    with pytest.raises(NotFound):
+        store.get("r0")
+    assert store.get("r3")[0] == {"id": "r3"}
 
 
 def test_stored_responses_are_read_and_deleted(client: openai.OpenAI, tiny_server: RunningServer) -> None:
