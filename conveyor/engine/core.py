@@ -150,8 +150,6 @@ class EngineCore:
         if request.request_id in self._live:   # the scheduler does not see requests still compiling
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         generator = make_generator(params, self.device)
-        if params.thinking_budget is not None:
-            self.budgets.add(request.request_id, params.thinking_budget)
         if params.structured_outputs is not None:
             # Scheduled once its grammar is compiled, off the step path; the batch goes on meanwhile.
             self.structured.submit(request.request_id, params.structured_outputs)
@@ -159,6 +157,8 @@ class EngineCore:
         else:
             self.scheduler.add(request)   # first: a refused request leaves no state behind
         self._live[request.request_id] = _Live(request, generator)
+        if params.thinking_budget is not None:   # after the adds that may refuse it: nothing left behind
+            self.budgets.add(request.request_id, params.thinking_budget)
 
     def _schedule_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler; a failed compile ends its request."""
