@@ -27,7 +27,7 @@ from conveyor.config import TOOL_CALL_PARSERS
 
 @dataclass(slots=True)
 class ToolCall:
-    id: str  # "call_" + 24 hex digits, unique per call
+    id: str  # "call_" + 24 hex digits, unique per call (9 hex digits under the mistral parser)
     name: str
     arguments: str  # JSON text of an object, as OpenAI's `function.arguments`
 
@@ -145,6 +145,18 @@ def parse_mistral(body: str, names: frozenset[str] | None) -> list[ToolCall] | N
     return calls or None
 
 
+def _mistral_ids(form: CallSyntax) -> CallSyntax:
+    """The form with Mistral's call ids: 9 letters and digits, which Mistral's chat templates insist on
+    when the calls come back in the conversation."""
+    def parse(body: str, names: frozenset[str] | None) -> list[ToolCall] | None:
+        calls = form.parse(body, names)
+        for call in calls or []:
+            call.id = uuid.uuid4().hex[:9]
+        return calls
+
+    return CallSyntax(form.open, form.close, parse, form.keep_open, form.at_start)
+
+
 HERMES = CallSyntax("<tool_call>", "</tool_call>", parse_hermes)
 FENCED = CallSyntax("```", "```", parse_fenced)
 _SYNTAXES: dict[str, tuple[CallSyntax, ...]] = {
@@ -152,9 +164,10 @@ _SYNTAXES: dict[str, tuple[CallSyntax, ...]] = {
     "llama3_json": (HERMES, FENCED, CallSyntax("<|python_tag|>", None, parse_llama3),
                     CallSyntax('{"name"', None, lambda body, names: parse_llama3(body, names or frozenset()),
                                keep_open=True, at_start=True)),
-    "mistral": (HERMES, FENCED, CallSyntax("[TOOL_CALLS]", None, parse_mistral),
-                CallSyntax('[{"name"', None, lambda body, names: parse_mistral(body, names or frozenset()),
-                           keep_open=True, at_start=True)),
+    "mistral": tuple(_mistral_ids(form) for form in (
+        HERMES, FENCED, CallSyntax("[TOOL_CALLS]", None, parse_mistral),
+        CallSyntax('[{"name"', None, lambda body, names: parse_mistral(body, names or frozenset()),
+                   keep_open=True, at_start=True))),
 }
 assert set(_SYNTAXES) | {"auto"} == set(TOOL_CALL_PARSERS)
 

@@ -158,3 +158,18 @@ def test_responses_api_gives_the_thinking_as_a_reasoning_item(client: openai.Ope
                                           max_output_tokens=6, stream=True))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == item.content[0].text
+
+
+def test_budgets_batched_give_what_each_gives_alone(client: openai.OpenAI, server: RunningServer) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(budget: int | None) -> tuple[str | None, str | None]:
+        extra = {"ignore_eos": True, **({} if budget is None else {"thinking_token_budget": budget})}
+        message = client.chat.completions.create(model=server.model_name, messages=ASK, temperature=0,
+                                                 max_tokens=16, extra_body=extra).choices[0].message
+        return message.reasoning_content, message.content
+
+    budgets = [2, None, 6, 0]
+    alone = [ask(budget) for budget in budgets]
+    with ThreadPoolExecutor(len(budgets)) as pool:
+        assert list(pool.map(ask, budgets)) == alone

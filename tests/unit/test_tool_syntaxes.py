@@ -65,6 +65,7 @@ def test_mistral_tag_opens_a_later_call_too() -> None:
     content, calls = parse_tool_calls('Let me add.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 1}}]',
                                       syntaxes("mistral"), NAMES)
     assert content == "Let me add." and pairs(calls) == [("add", {"a": 1, "b": 1})]
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()   # Mistral's templates refuse other ids
 
 
 @pytest.mark.parametrize(("template", "parser"), [
