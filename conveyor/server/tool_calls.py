@@ -97,8 +97,13 @@ class ToolCallStreamParser:
             else:
                 start = buf.find(form.open)
                 keep = max(keep, partial_len(buf, form.open))
-            if start != -1 and (best == -1 or start < best):
+            if start != -1 and (best == -1 or start < best
+                                or (start == best and len(form.open) > len(best_form.open))):
                 best, best_form = start, form
+        if best_form is not None:
+            tail = buf[best:]
+            if any(len(form.open) > len(tail) and form.open.startswith(tail) for form in self._live_forms()):
+                return -1, None, len(tail)   # a longer opening ("[TOOL_CALLS]" after "[") may still follow
         return best, best_form, keep
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:

@@ -1,14 +1,14 @@
 """The forms in which models write tool calls, and the `--tool-call-parser` names (vLLM's) that pick them.
 
 Every parser reads the Hermes / Qwen block (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
-the form conveyor's own tools prompt teaches and tool_choice's grammar writes, and a fenced JSON block
-(```json {"name": ..., "arguments": {...}} ```) that names one of the request's tools, as
-Qwen2.5-Coder writes under `auto`. Beyond those:
+the form conveyor's own tools prompt teaches and tool_choice's grammar writes; a fenced JSON block
+(```json {"name": ..., "arguments": {...}} ```) naming one of the request's tools, as Qwen2.5-Coder
+writes under `auto`; and a whole output that is such call objects (`arguments` or `parameters`, several
+separated by `;`), as Llama 3 writes without its tag. Beyond those:
 
-- `llama3_json`: Llama 3's `<|python_tag|>` followed by calls, or an output that opens with a call
-  object naming a given tool: `{"name": ..., "parameters": {...}}`, several separated by `;`.
+- `llama3_json`: Llama 3's `<|python_tag|>` followed by calls.
 - `mistral`: `[TOOL_CALLS]` followed by a JSON list of calls (`[{"name": ..., "arguments": {...}}]`)
-  or by `name[ARGS]{...}` calls, or an output that opens with such a list naming given tools.
+  or by `name[ARGS]{...}` calls, or an output that is such a list naming given tools.
 
 `auto` picks from the chat template: the parser whose markers it writes, else `hermes`.
 A body whose calls do not parse is content, verbatim: a model talking about the syntax loses no text.
@@ -117,6 +117,11 @@ def parse_llama3(body: str, names: frozenset[str] | None) -> list[ToolCall] | No
     return _calls(_objects(body), names, ("parameters", "arguments"))
 
 
+def parse_bare(body: str, names: frozenset[str] | None) -> list[ToolCall] | None:
+    """A whole output of call objects (no marker): each must name a given tool."""
+    return _calls(_objects(body), names if names is not None else frozenset(), ("arguments", "parameters"))
+
+
 _MISTRAL_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([A-Za-z0-9_.-]{1,64})\s*(?:\[ARGS\])?\s*")
 
 
@@ -159,14 +164,13 @@ def _mistral_ids(form: CallSyntax) -> CallSyntax:
 
 HERMES = CallSyntax("<tool_call>", "</tool_call>", parse_hermes)
 FENCED = CallSyntax("```", "```", parse_fenced)
+BARE = CallSyntax("{", None, parse_bare, keep_open=True, at_start=True)
 _SYNTAXES: dict[str, tuple[CallSyntax, ...]] = {
-    "hermes": (HERMES, FENCED),
-    "llama3_json": (HERMES, FENCED, CallSyntax("<|python_tag|>", None, parse_llama3),
-                    CallSyntax('{"name"', None, lambda body, names: parse_llama3(body, names or frozenset()),
-                               keep_open=True, at_start=True)),
+    "hermes": (HERMES, FENCED, BARE),
+    "llama3_json": (HERMES, FENCED, BARE, CallSyntax("<|python_tag|>", None, parse_llama3)),
     "mistral": tuple(_mistral_ids(form) for form in (
-        HERMES, FENCED, CallSyntax("[TOOL_CALLS]", None, parse_mistral),
-        CallSyntax('[{"name"', None, lambda body, names: parse_mistral(body, names or frozenset()),
+        HERMES, FENCED, BARE, CallSyntax("[TOOL_CALLS]", None, parse_mistral),
+        CallSyntax("[", None, lambda body, names: parse_mistral(body, names or frozenset()),
                    keep_open=True, at_start=True))),
 }
 assert set(_SYNTAXES) | {"auto"} == set(TOOL_CALL_PARSERS)

@@ -22,6 +22,9 @@ CASES = [
     ("hermes", "Code:\n```python\nprint('hi')\n```\nDone.", "Code:\n```python\nprint('hi')\n```\nDone.", []),
     ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None,
      [("add", {"a": 1, "b": 2})]),
+    ("hermes", '{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}', None, [("add", {"a": 1, "b": 2})]),
+    ("hermes", '{"answer": 42}', '{"answer": 42}', []),
+    ("hermes", '[1, 2]', '[1, 2]', []),
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', None,
      [("add", {"a": 1, "b": 2})]),
     ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "add", "parameters": '
