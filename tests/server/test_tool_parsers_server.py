@@ -65,3 +65,22 @@ def test_a_code_block_that_is_not_a_call_stays_content(client: openai.OpenAI, se
     streamed = "".join(delta.delta.content or "" for chunk in writing(client, server, NOT_A_CALL, stream=True)
                        for delta in chunk.choices)
     assert streamed == NOT_A_CALL
+
+
+@pytest.mark.real_model
+def test_a_real_coder_model_under_auto_gets_tool_calls(real_gguf) -> None:
+    """Qwen2.5-Coder-0.5B-Instruct answers these with a bare call object and a fenced, pretty-printed one
+    (before these parsers both came back as content): `-m real_model --real-gguf FILE` with that file."""
+    running = start_server(real_gguf, max_num_seqs=2, kv_cache_memory="128MiB")
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none", max_retries=0)
+        for question, city in (("What is the weather in Paris?", "Paris"),
+                               ("Use the tool to get the weather in Oslo.", "Oslo")):
+            choice = client.chat.completions.create(model=running.model_name, tools=[WEATHER], temperature=0,
+                                                    max_tokens=80,
+                                                    messages=[{"role": "user", "content": question}]).choices[0]
+            assert choice.finish_reason == "tool_calls", choice.message.content
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+                [("get_weather", {"city": city})]
+    finally:
+        running.stop()
