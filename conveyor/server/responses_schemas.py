@@ -118,6 +118,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Text] | None = None
     text: TextConfig | None = None
     user: Text | None = None
+    prompt_cache_key: Text | None = None   # as chat's: prefix caching is automatic, by content
 
     def check_fields(self) -> None:
         refuse_extra_fields(self.model_extra, _UNSUPPORTED)
@@ -147,7 +148,8 @@ class ResponsesRequest(BaseModel):
     def chat_fields(self) -> dict[str, Any]:
         """Every chat completion field this request sets, but the messages."""
         fields: dict[str, Any] = {"model": self.model, "max_completion_tokens": self.max_output_tokens,
-                                  "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
+                                  "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+                                  "prompt_cache_key": self.prompt_cache_key}
         if self.temperature is not None:
             fields["temperature"] = self.temperature
         if self.top_p is not None:
