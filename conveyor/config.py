@@ -256,6 +256,10 @@ class GrammarLimits:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Settings of the HTTP server only; the engine never sees them."""
@@ -293,6 +297,10 @@ class ServerConfig:
     # prints; 0 = never (vLLM's --disable-log-stats).
     stats_log_interval_s: float = 10.0
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    # How chat replies are read: a reasoning model's <think> part (vLLM's names: deepseek_r1, qwen3; None
+    # = no split), and the tool-call syntax under tool_choice auto (auto = picked from the chat template).
+    reasoning_parser: str | None = None
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -319,6 +327,12 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 @dataclass(frozen=True)

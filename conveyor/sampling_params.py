@@ -43,12 +43,18 @@ class StructuredOutputsParams:
     grammar: str | None = None
     structural_tag: str | None = None
     strict: bool = False
+    # A reasoning model's thinking comes first, unconstrained: "open" when the output begins inside it
+    # (any text up to </think>), "optional" when it may begin with a <think>...</think> block.
+    after_thinking: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        if self.after_thinking not in (None, "open", "optional"):
+            raise InvalidRequest(f"after_thinking must be open or optional, got {self.after_thinking!r}",
+                                 param="structured_outputs")
         if len(kinds) != 1:
             raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, choice, "
                                  f"grammar, structural_tag; got {kinds or 'none'}", param="structured_outputs")
@@ -58,6 +64,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> str:
         """The cache key of the compiled grammar: the kind and its canonical text."""
+        if self.after_thinking is not None:
+            return f"{replace(self, after_thinking=None).key}:after_thinking:{self.after_thinking}"
         if self.json_object:
             return "json_object"
         if self.json is not None:
@@ -68,6 +76,24 @@ class StructuredOutputsParams:
             if value is not None:
                 return f"{name}:{value}"
         return "choice:" + json.dumps(self.choice)
+
+
+@dataclass(slots=True, frozen=True)
+class ThinkingBudget:
+    """At most max_tokens tokens of thinking, then the end tag is forced (a reasoning model's budget)."""
+
+    max_tokens: int
+    starts_inside: bool                 # the prompt opened the thinking; else it starts if the output opens it
+    start_token_ids: tuple[int, ...]
+    end_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens, minimum=0):
+            raise InvalidRequest(f"thinking_token_budget must be an integer >= 0, got {self.max_tokens!r}",
+                                 param="thinking_token_budget")
+        if not self.end_token_ids or not self.start_token_ids:
+            raise InvalidRequest("thinking_token_budget needs the thinking tags in the vocabulary",
+                                 param="thinking_token_budget")
 
 
 @dataclass(slots=True)
@@ -92,6 +118,7 @@ class SamplingParams:
     best_of: int | None = None            # only None or n: no hidden extra choices
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

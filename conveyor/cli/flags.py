@@ -12,7 +12,9 @@ from conveyor.config import (
     DEFAULT_BATCH_PRESET,
     DTYPES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     SPECULATIVE_METHODS,
+    TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
     GrammarLimits,
@@ -298,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=None,
                        help="seed the sampling of requests that bring no seed of their own, so a server restarted "
                             "with the same requests gives the same answers (default: random)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split a reasoning model's <think> part into reasoning_content (names as vLLM's)")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=ServerConfig.tool_call_parser,
+                       help="the tool-call syntax read under tool_choice auto (names as vLLM's; auto: from the "
+                            "chat template)")
     serve.add_argument("--no-core-process", dest="core_process", action="store_false",
                        help="run the engine core on a thread of the server process instead of a process of its own")
     _add_replica_flags(serve)
@@ -345,7 +352,8 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
                           state_dir=args.state_dir, enable_dashboard=args.enable_dashboard,
-                          grammar=grammar_limits(args))
+                          grammar=grammar_limits(args), reasoning_parser=args.reasoning_parser,
+                          tool_call_parser=args.tool_call_parser)
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
                      args.ray_address)
     if all(flag is None for flag in replica_flags):

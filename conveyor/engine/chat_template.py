@@ -276,18 +276,26 @@ def takes_tools(source: str) -> bool:
         return False
 
 
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def render_chat_template(template: jinja2.Template, messages: list[dict], *, add_generation_prompt: bool,
                          bos_token: str | None, eos_token: str | None, tools: list[dict] | None = None,
-                         max_chars: int = MAX_RENDER_CHARS) -> str:
+                         max_chars: int = MAX_RENDER_CHARS, template_kwargs: dict | None = None) -> str:
     """Render like transformers' apply_chat_template(tokenize=False), within the budget; a template's
-    own complaint -> InvalidRequest, a render past its budget -> ChatTemplateLimit."""
+    own complaint -> InvalidRequest, a render past its budget -> ChatTemplateLimit. `template_kwargs`
+    are further variables (a request's chat_template_kwargs, such as enable_thinking)."""
+    reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_VARIABLES)
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(reserved)}: the request sets it",
+                             param="chat_template_kwargs")
     # Like transformers: drop None fields, since OpenAI clients send content=None and templates choke on it.
     chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
     budget = _Budget(time.monotonic() + RENDER_TIMEOUT_S, max_chars)
     token = _BUDGET.set(budget)
     try:
         pieces, num_chars = [], 0
-        for piece in template.generate(messages=chat, tools=tools, documents=None,
+        for piece in template.generate(**(template_kwargs or {}), messages=chat, tools=tools, documents=None,
                                        add_generation_prompt=add_generation_prompt, bos_token=bos_token,
                                        eos_token=eos_token):
             num_chars += len(piece)

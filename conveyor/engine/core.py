@@ -39,6 +39,7 @@ from conveyor.engine.messages import (
 from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
+from conveyor.engine.thinking_budget import ThinkingBudgets
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.engine.runtime_builder import Runtime, build_runtime
 from conveyor.model.llama import LlamaModel
@@ -100,6 +101,7 @@ class EngineCore:
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(grammar_compiler(self.model_path, self.model.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
+        self.budgets = ThinkingBudgets(self.model.vocab_size)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self._live: dict[str, _Live] = {}
@@ -142,7 +144,8 @@ class EngineCore:
             priority=core_request.priority,
             tenant=core_request.tenant,
             is_background=core_request.is_background,
-            can_speculate=self.scheduler.num_speculative_tokens > 0,
+            # A forced end tag is one token a step: its drafts would all be refused.
+            can_speculate=self.scheduler.num_speculative_tokens > 0 and params.thinking_budget is None,
         )
         if request.request_id in self._live:   # the scheduler does not see requests still compiling
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
@@ -154,6 +157,8 @@ class EngineCore:
         else:
             self.scheduler.add(request)   # first: a refused request leaves no state behind
         self._live[request.request_id] = _Live(request, generator)
+        if params.thinking_budget is not None:   # after the adds that may refuse it: nothing left behind
+            self.budgets.add(request.request_id, params.thinking_budget)
 
     def _schedule_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler; a failed compile ends its request."""
@@ -189,6 +194,7 @@ class EngineCore:
         its sampling state. Returns its last delta; None for a request the core does not hold."""
         live = self._live.pop(request_id, None)
         self.structured.drop(request_id)
+        self.budgets.drop(request_id)
         if self._compiling.pop(request_id, None) is None:
             self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
@@ -312,6 +318,7 @@ class EngineCore:
         rows = [row for row in plan.rows if row.is_sampling]
         masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows
                                             if self.structured.is_constrained(row.request_id)])
+        masks.update(self.budgets.forced_masks([row.request_id for row in rows]))   # over the grammar's
         sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
                               {r.request_id: self._live[r.request_id].generator for r in rows}, masks)
         deltas = []
@@ -325,6 +332,7 @@ class EngineCore:
             if live is None:
                 continue
             new_token_ids = update.new_token_ids
+            self.budgets.accept(update.request_id, new_token_ids)
             num_accepted = self.structured.accept(update.request_id, new_token_ids)
             if num_accepted < len(new_token_ids):
                 if not self.structured.is_dead_end(update.request_id):
@@ -343,6 +351,7 @@ class EngineCore:
             if update.finish_reason is not None:
                 del self._live[update.request_id]
                 self.structured.drop(update.request_id)
+                self.budgets.drop(update.request_id)
                 delta.finish_reason = update.finish_reason.value
                 delta.stop_reason = update.stop_reason
                 delta.metrics = self._metrics(live.request)

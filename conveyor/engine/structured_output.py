@@ -24,6 +24,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.schema_bounds import bounded_schema_text
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 
@@ -89,9 +90,10 @@ class GrammarCompiler:
         """The CompiledGrammar of `spec`; InvalidRequest (naming `param`) when it does not compile."""
         compiler = self._get()
         try:
+            if spec.after_thinking is not None:
+                return compiler.compile_grammar(_after_thinking(spec))
             if spec.json_object or spec.json is not None:
-                schema = (_ANY_OBJECT if spec.json_object else
-                          spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+                schema = _ANY_OBJECT if spec.json_object else bounded_schema_text(spec.json)
                 # Compact JSON: a small model left free whitespace pretty-prints until its budget runs out.
                 return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
             if spec.regex is not None:
@@ -106,6 +108,30 @@ class GrammarCompiler:
             kind = spec.key.split(":", 1)[0]
             raise InvalidRequest(f"the {kind} constraint could not be compiled: {refusal_reason(exc)}",
                                  param=param) from None
+
+
+def _after_thinking(spec: StructuredOutputsParams) -> Any:
+    """The grammar of `spec` behind a reasoning model's thinking: any text up to </think> (and the
+    whitespace after it), either from the start ("open") or in an optional leading <think> block."""
+    xgr = _xgrammar()
+    if spec.json_object or spec.json is not None:
+        schema = _ANY_OBJECT if spec.json_object else bounded_schema_text(spec.json)
+        base = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
+    elif spec.regex is not None:
+        base = xgr.Grammar.from_regex(spec.regex)
+    elif spec.choice is not None:
+        base = xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+    elif spec.grammar is not None:
+        base = xgr.Grammar.from_ebnf(spec.grammar)
+    else:
+        base = xgr.Grammar.from_structural_tag(spec.structural_tag)
+    thinking = xgr.Grammar.concat(
+        xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+            "type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}})),
+        xgr.Grammar.from_ebnf('root ::= [ \\t\\r\\n]{0,4}'))   # bounded: a model may write spaces forever
+    if spec.after_thinking == "open":
+        return xgr.Grammar.concat(thinking, base)
+    return xgr.Grammar.union(xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<think>"'), thinking, base), base)
 
 
 def can_start(compiled: Any, vocab_size: int) -> bool:

@@ -148,7 +148,7 @@ class Tokenizer:
         return self.chat_template is not None and takes_tools(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """Render `messages` with the checkpoint's template, as transformers' apply_chat_template(tokenize=False).
 
         Raises `InvalidRequest` (a `ValueError`) when there is no template or the template rejects
@@ -159,7 +159,8 @@ class Tokenizer:
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
         return render_chat_template(self._compiled_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+                                    bos_token=self.bos_token, eos_token=self.eos_token, tools=tools,
+                                    template_kwargs=template_kwargs)
 
     def use_chat_template(self, text: str) -> None:
         """Replace the checkpoint's template; ValueError (naming the problem) if it does not parse."""

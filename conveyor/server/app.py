@@ -31,6 +31,7 @@ from conveyor.server.metrics import ServerMetrics
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.request_guard import RequestGuard, error_response
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
+from conveyor.server.responses_api import add_responses_routes
 from conveyor.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -87,7 +88,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     api_key = server.api_key
     metrics = ServerMetrics(async_engine, model_name, stats_log_interval_s=server.stats_log_interval_s)
     async_engine.observers.append(metrics.observe)
-    serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars, server.grammar)
+    serving = OpenAIServing(async_engine, model_name, server.max_prompt_chars, server.grammar,
+                            server.reasoning_parser, server.tool_call_parser)
     created = int(time.time())
 
     watchdog = CoreWatchdog(async_engine, server.core_stall_timeout_s)
@@ -148,6 +150,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
         return error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))
 
     add_batch_routes(app, batch_store)
+    add_responses_routes(app, serving)
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
               responses={200: {"content": _STREAM_DOC, "description": "a completion, or SSE chunks when "

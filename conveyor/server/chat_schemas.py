@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from conveyor.errors import InvalidRequest
+
 REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
@@ -24,6 +26,19 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def refuse_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, tuple[str, tuple[object, ...]]]) -> None:
+    """400 for a body field conveyor would otherwise ignore: a known one it does not support (unless its value
+    changes nothing: null or one of `unsupported`'s values), or an unknown one."""
+    for name, value in (extra or {}).items():
+        if name in unsupported:
+            reason, accepted = unsupported[name]
+            if value is not None and value not in accepted:
+                raise InvalidRequest(f"{name}: {reason}", param=name)
+        elif value is not None:
+            raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
+                                 f"every request field)", param=name)
 
 
 class TextContentPart(BaseModel):

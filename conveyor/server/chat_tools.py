@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from conveyor.engine.schema_bounds import bounded_schema
 from conveyor.engine.structured_output import json_schema_refusal
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
@@ -137,7 +138,8 @@ def tool_choice_constraint(tools: list[ToolDefinition] | None, tool_choice: str 
         function = tool.function
         return {"type": "tag",
                 "begin": "<tool_call>\n" + json.dumps({"name": function.name})[:-1] + ', "arguments": ',
-                "content": {"type": "json_schema", "json_schema": function.parameters or _NO_ARGUMENTS},
+                "content": {"type": "json_schema", "json_schema": (bounded_schema(function.parameters)
+                                                                   if function.parameters else _NO_ARGUMENTS)},
                 "end": "}\n</tool_call>"}
 
     if isinstance(tool_choice, str):   # required: one call or more (one with parallel_tool_calls false)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -48,15 +49,15 @@ from conveyor.server.responses import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    FunctionCallDelta,
-    FunctionCallOut,
-    ToolCallDelta,
-    ToolCallOut,
+    CompletionTokensDetails,
     TopLogprob,
     UsageInfo,
 )
 from conveyor.server.chat_tools import template_input
-from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
+from conveyor.server.tool_calls import ToolCall, parse_tool_calls
+from conveyor.server.tool_syntaxes import resolve_tool_call_parser, syntaxes
+from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
+                                         tool_calls_out)
 from conveyor.server.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -81,12 +82,19 @@ class _Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_chars: int = 0               # text emitted so far; completions' logprob text offsets start here
+    thinking: list[str] = field(default_factory=list)   # with a reasoning parser, the text is the answer only
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None,
-                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
+                 grammar_limits: GrammarLimits = GrammarLimits(), reasoning_parser: str | None = None,
+                 tool_call_parser: str = "auto") -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
+        parser = resolve_tool_call_parser(tool_call_parser, engine.tokenizer.chat_template)
+        logger.info("tool calls under tool_choice auto are read as %s (--tool-call-parser %s)", parser,
+                    tool_call_parser)
+        self.tool_forms = syntaxes(parser)
         self.grammar_gate = GrammarGate(engine.grammars, grammar_limits)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -117,17 +125,19 @@ class OpenAIServing:
 
     async def _render_chat(self, body: ChatCompletionRequest) -> str:
         return await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
-                                          body.effective_tool_choice)
+                                          body.effective_tool_choice, body.chat_template_kwargs)
 
     async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool,
-                              tools: list[ToolDefinition] | None = None, tool_choice: str = "none") -> str:
+                              tools: list[ToolDefinition] | None = None, tool_choice: str = "none",
+                              template_kwargs: dict[str, Any] | None = None) -> str:
         """The messages (and tools) through the model's chat template, size-checked before and after."""
         messages, template_tools = template_input(chat_messages, tools, tool_choice,
                                                   self.tokenizer.template_takes_tools)
         num_chars = sum(len(m["content"] or "") for m in messages)
         self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages,
-                                   add_generation_prompt=add_generation_prompt, tools=template_tools)
+                                   add_generation_prompt=add_generation_prompt, tools=template_tools,
+                                   template_kwargs=template_kwargs)
         text = await render_off_loop(render)
         self.check_prompt_chars(len(text), "messages")
         return text
@@ -150,12 +160,17 @@ class OpenAIServing:
         return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
                            is_batch_request(request.scope))
 
-    async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
+    async def _collect(self, request: Request, group: PromptGroup,
+                       splitters: list[ChatOutputSplitter] | None = None) -> list[_Choice]:
         async def collect() -> list[_Choice]:
             choices = [_Choice() for _ in range(group.num_prompts)]
             async for index, output in group.outputs():
                 choice = choices[index]
-                choice.text.append(output.new_text)
+                text = output.new_text
+                if splitters is not None:
+                    thinking, text = splitters[index].split_thinking(text, len(output.new_token_ids), output.finished)
+                    choice.thinking.append(thinking)
+                choice.text.append(text)
                 choice.num_tokens += len(output.new_token_ids)
                 choice.logprobs.extend(output.new_logprobs)
                 if output.finished:
@@ -168,10 +183,13 @@ class OpenAIServing:
             group.close()
 
     @staticmethod
-    def _usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo:
+    def _usage(prompts: list[list[int]], num_completion_tokens: int,
+               num_reasoning_tokens: int | None = None) -> UsageInfo:
         num_prompt_tokens = sum(len(p) for p in prompts)
+        details = (None if num_reasoning_tokens is None
+                   else CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens))
         return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt_tokens + num_completion_tokens)
+                         total_tokens=num_prompt_tokens + num_completion_tokens, completion_tokens_details=details)
 
     @staticmethod
     def _disconnected(group: PromptGroup) -> Response:
@@ -267,53 +285,70 @@ class OpenAIServing:
     # ------------------------------------------------------------ /v1/chat/completions
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        run = await self.start_chat(body, request, "chatcmpl")
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        group, prompts, splitters = run.group, run.prompts, run.splitters
+        created = int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._chat_events(group, prompts, created, body, run), group)
+        try:
+            choices = await self._collect(request, group, splitters)
+        except ClientDisconnected:
+            return self._disconnected(group)
+        return await respond_off_loop(lambda: ChatCompletionResponse(
+            id=group.group_id, created=created, model=self.model_name,
+            choices=[self._chat_choice(i, c, body, s) for i, (c, s) in enumerate(zip(choices, splitters))],
+            usage=self._usage(prompts, sum(c.num_tokens for c in choices), run.num_reasoning_tokens),
+        ))
+
+    async def start_chat(self, body: ChatCompletionRequest, request: Request, prefix: str) -> ChatRun | None:
+        """A chat request's engine requests, started (or refused); None when the client left while its
+        grammar compiled. The Responses API runs through here too."""
         self.check_model(body.model)
         tenant = tenant_of(request, body.user)
         params = body.sampling_params()
         if body.tools:
             await self.grammar_gate.check_tools(body.tools)
-        if not await self.compile_grammar(params, body.constraint_field, request):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)
+        thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, body.thinking_token_budget)
+        params = thinking.constrain(params)
+        if not await self.compile_grammar(params, body.constraint_field, request):
+            return None
         prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
-            group = self._start("chatcmpl", prompts, params, body.priority, tenant, request)
+            group = self._start(prefix, prompts, params, body.priority, tenant, request)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"
             elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
-        created = int(time.time())
-        if body.stream:
-            return EventStreamResponse(self._chat_events(group, prompts, created, body), group)
-        try:
-            choices = await self._collect(request, group)
-        except ClientDisconnected:
-            return self._disconnected(group)
-        return await respond_off_loop(lambda: ChatCompletionResponse(
-            id=group.group_id, created=created, model=self.model_name,
-            choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
-            usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        ))
+        return ChatRun(group, prompts, thinking,
+                       [thinking.splitter(body, self.tool_forms) for _ in range(group.num_prompts)])
 
-    def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest) -> ChatChoice:
+    def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest,
+                     splitter: ChatOutputSplitter) -> ChatChoice:
         content: str | None = "".join(choice.text)
+        reasoning = "".join(choice.thinking) if splitter.reasoning is not None and splitter.reasoning.thought else None
         calls: list[ToolCall] = []
         if body.effective_tool_choice != "none":
-            parsed, calls = parse_tool_calls(content or "")
+            parsed, calls = parse_tool_calls(content or "", self.tool_forms, body.tool_names)
             if calls:   # a reply without calls keeps its text as generated
                 content = parsed
             if body.forces_tool_calls:   # any text besides the calls is a call cut short by max_tokens
                 content = None
-        message = AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None)
+        if reasoning is not None and not content:
+            content = None
+        message = AssistantMessage(content=content, reasoning_content=reasoning,
+                                   tool_calls=tool_calls_out(calls) or None)
         return ChatChoice(index=index, message=message,
-                          finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
+                          finish_reason=finish_reason(choice.finish_reason, bool(calls)),
                           logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
-                           body: ChatCompletionRequest) -> AsyncIterator[str]:
+                           body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=group.group_id, created=created, model=self.model_name,
                                            choices=choices, usage=usage).model_dump_json())
@@ -322,26 +357,19 @@ class OpenAIServing:
         yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(group.num_prompts)])
         num_tokens = 0
-        parsers = ([ToolCallStreamParser() for _ in range(group.num_prompts)]
-                   if body.effective_tool_choice != "none" else None)
         try:
             async for index, output in group.outputs():
                 num_tokens += len(output.new_token_ids)
-                text, calls = output.new_text, []
-                if parsers is not None:
-                    text, calls = parsers[index].feed(text)
-                    if output.finished:
-                        text += parsers[index].finish()
-                    if body.forces_tool_calls:   # as in _chat_choice: only a cut-short call is left as text
-                        text = ""
-                if not (text or calls or output.finished or (body.logprobs and output.new_logprobs)):
+                splitter = run.splitters[index]
+                reasoning, text, calls = splitter.feed(output.new_text, len(output.new_token_ids), output.finished)
+                if not (reasoning or text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
-                first = parsers[index].num_calls - len(calls) if parsers is not None else 0
-                finish = (_finish_reason(output.finish_reason, parsers is not None and parsers[index].num_calls > 0)
-                          if output.finished else None)
+                first = splitter.num_calls - len(calls)
+                finish = finish_reason(output.finish_reason, splitter.num_calls > 0) if output.finished else None
                 yield chunk([ChatStreamChoice(
-                    index=index, delta=ChatDelta(content=text if text or not calls else None,
-                                                 tool_calls=_tool_call_deltas(calls, first) or None),
+                    index=index, delta=ChatDelta(content=text if text or not (calls or reasoning) else None,
+                                                 reasoning_content=reasoning or None,
+                                                 tool_calls=tool_call_deltas(calls, first) or None),
                     logprobs=self._chat_logprobs(output.new_logprobs) if body.logprobs else None,
                     finish_reason=finish)])
         except ConveyorError as exc:
@@ -349,7 +377,7 @@ class OpenAIServing:
             yield DONE_EVENT
             return
         if body.include_usage:
-            yield chunk([], self._usage(prompts, num_tokens))
+            yield chunk([], self._usage(prompts, num_tokens, run.num_reasoning_tokens))
         yield DONE_EVENT
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
@@ -365,19 +393,3 @@ class OpenAIServing:
                                             top_logprobs=[top(i, lp) for i, lp in entry.top]))
         return ChatLogprobs(content=content)
 
-
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI says tool_calls when the model ended its turn by calling tools."""
-    return "tool_calls" if called and reason == "stop" else reason
-
-
-def _tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
-    return [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
-            for call in calls]
-
-
-def _tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
-    """A call is complete when it is parsed, so each goes out whole in one delta."""
-    return [ToolCallDelta(index=first_index + i, id=call.id, type="function",
-                          function=FunctionCallDelta(name=call.name, arguments=call.arguments))
-            for i, call in enumerate(calls)]

@@ -30,7 +30,14 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from conveyor.server.chat_schemas import REQUEST_CONFIG, ChatMessage, NamedToolChoice, Text, ToolDefinition
+from conveyor.server.chat_schemas import (
+    REQUEST_CONFIG,
+    ChatMessage,
+    NamedToolChoice,
+    Text,
+    ToolDefinition,
+    refuse_extra_fields,
+)
 from conveyor.server.chat_tools import tool_choice_constraint
 from conveyor.server.request_limits import bounded_messages
 
@@ -159,14 +166,7 @@ class _SamplingRequest(BaseModel):
 
     def check_fields(self) -> None:
         """400 for a field conveyor would otherwise ignore: an unsupported OpenAI field, or an unknown one."""
-        for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED_FIELDS:
-                reason, accepted = _UNSUPPORTED_FIELDS[name]
-                if value is not None and value not in accepted:
-                    raise InvalidRequest(f"{name}: {reason}", param=name)
-            elif value is not None:
-                raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
-                                     f"every request field)", param=name)
+        refuse_extra_fields(self.model_extra, _UNSUPPORTED_FIELDS)
 
     @property
     def include_usage(self) -> bool:
@@ -303,6 +303,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="further variables for the chat template, such as enable_thinking")
+    thinking_token_budget: Annotated[int, _ints(minimum=0)] | None = Field(
+        None, description="with --reasoning-parser: at most this many tokens of thinking, then </think> is forced")
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -326,6 +330,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(tool.function.name for tool in self.tools or [])
 
     @property
     def forces_tool_calls(self) -> bool:

@@ -8,10 +8,15 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None   # with a reasoning parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -75,10 +80,12 @@ class ToolCallOut(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """content is null when the reply is only tool calls; tool_calls is left out when there are none, as OpenAI does."""
+    """content is null when the reply is only tool calls; tool_calls is left out when there are none, as OpenAI does,
+    and so is reasoning_content (the thinking, with a reasoning parser) when there is none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
     @model_serializer(mode="wrap")
@@ -86,6 +93,8 @@ class AssistantMessage(BaseModel):
         data = handler(self)
         if data.get("tool_calls") is None:
             data.pop("tool_calls", None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
@@ -123,6 +132,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -1,15 +1,15 @@
-"""Tool calls in generated text, in the Hermes / Qwen syntax, for OpenAI chat completions.
+"""Tool calls in generated text, for OpenAI chat completions, in the forms tool_syntaxes.py lists.
 
-A model calls a tool by emitting, anywhere in its output, one or more blocks
+A model calls a tool by emitting blocks such as
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 `parse_tool_calls` splits a whole output into content and calls; `ToolCallStreamParser` does the
-same incrementally for streaming. Both pair each "<tool_call>" with the first "</tool_call>" after
-it, and a block whose body is not a valid call stays in the content verbatim, so a model that merely
-talks about the syntax loses no text.
+same incrementally for streaming. Both pair each block's opening text with the first closing text
+after it (a block without one runs to the end of the output), and a block whose body is not a valid
+call stays in the content verbatim, so a model that merely talks about the syntax loses no text.
 
 The two agree on the calls, and on the content up to surrounding whitespace: `parse_tool_calls`
 strips the content, while a stream cannot take back what it has sent. The stream holds whitespace
@@ -19,82 +19,31 @@ so whitespace between calls or after the last one produces no content delta.
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass
+from conveyor.server.tool_syntaxes import HERMES, CallSyntax, ToolCall
 
-OPEN = "<tool_call>"
-CLOSE = "</tool_call>"
+__all__ = ["ToolCall", "ToolCallStreamParser", "parse_tool_calls", "partial_len"]
 
 
-@dataclass(slots=True)
-class ToolCall:
-    id: str  # "call_" + 24 hex digits, unique per call
-    name: str
-    arguments: str  # JSON text of an object, as OpenAI's `function.arguments`
-
-
-def _reject_constant(name: str) -> None:
-    # NaN and Infinity are not JSON: clients could not parse the re-serialized arguments.
-    raise ValueError(f"non-JSON constant {name}")
-
-
-def _loads(text: str) -> object:
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def _parse_block(body: str) -> ToolCall | None:
-    """The call in one block's body, or None when the body is not a valid call."""
-    try:
-        obj = _loads(body)
-        if not isinstance(obj, dict):
-            return None
-        name, arguments = obj.get("name"), obj.get("arguments")
-        # Some models emit the arguments object as a JSON string.
-        if isinstance(arguments, str):
-            arguments = _loads(arguments)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-        return None
-    return ToolCall(
-        id="call_" + uuid.uuid4().hex[:24],
-        name=name,
-        arguments=json.dumps(arguments, ensure_ascii=False),
-    )
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, forms: tuple[CallSyntax, ...] = (HERMES,),
+                     tool_names: frozenset[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """Whole output -> (content, calls).
 
     content is the text outside the valid tool-call blocks, stripped; None when it is empty and
-    calls were found. Invalid blocks and an unterminated final "<tool_call>" stay in the content.
+    calls were found. Invalid blocks and an unterminated final block stay in the content.
     """
-    pieces: list[str] = []
-    calls: list[ToolCall] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) != -1:
-        end = text.find(CLOSE, start + len(OPEN))
-        if end == -1:
-            break
-        call = _parse_block(text[start + len(OPEN) : end])
-        if call is not None:
-            pieces.append(text[pos:start])
-            calls.append(call)
-        else:
-            pieces.append(text[pos : end + len(CLOSE)])
-        pos = end + len(CLOSE)
-    pieces.append(text[pos:])
-    content = "".join(pieces).strip()
+    parser = ToolCallStreamParser(forms, tool_names)
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    content, calls = (content + rest).strip(), calls + more
     if not content and calls:
         return None, calls
     return content, calls
 
 
-def _partial_open_len(text: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of OPEN."""
-    for k in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if text.endswith(OPEN[:k]):
+def partial_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:k]):
             return k
     return 0
 
@@ -102,15 +51,18 @@ def _partial_open_len(text: str) -> int:
 class ToolCallStreamParser:
     """Incremental `parse_tool_calls`: feed text deltas as they are generated.
 
-    Content is released as soon as it cannot be the start of "<tool_call>"; a block is held until
-    its "</tool_call>" arrives. The streamed content is not stripped (see the module docstring).
+    Content is released as soon as it cannot be the start of a block; a block is held until its
+    closing text arrives (or the output ends). The streamed content is not stripped (see the module docstring).
     """
 
-    def __init__(self) -> None:
-        self._buf = ""  # unresolved text: a partial open tag, or an open block
-        self._in_block = False
-        self._scan = 0  # where to resume looking for CLOSE in an open block
+    def __init__(self, forms: tuple[CallSyntax, ...] = (HERMES,), tool_names: frozenset[str] | None = None) -> None:
+        self._forms = forms
+        self._names = tool_names
+        self._buf = ""  # unresolved text: a partial opening, or an open block
+        self._form: CallSyntax | None = None  # the open block's form
+        self._scan = 0  # where to resume looking for the close in an open block
         self._at_boundary = True  # no non-whitespace content since the start or the last call
+        self._started = False  # any content or call so far: forms that only open an output no longer apply
         self._held_ws = ""
         self._num_calls = 0
 
@@ -120,6 +72,8 @@ class ToolCallStreamParser:
 
     def _content(self, text: str) -> str:
         """What to emit for content text, holding whitespace that may turn out to be trailing."""
+        if text.strip():
+            self._started = True
         if not self._at_boundary:
             return text
         if not text.strip():
@@ -128,6 +82,30 @@ class ToolCallStreamParser:
         out, self._held_ws, self._at_boundary = self._held_ws + text, "", False
         return out
 
+    def _live_forms(self) -> list[CallSyntax]:
+        return [form for form in self._forms if not (form.at_start and self._started)]
+
+    def _find_open(self, buf: str) -> tuple[int, CallSyntax | None, int]:
+        """(where the earliest block opens, its form, how much of buf's end to hold as a possible opening)."""
+        best, best_form, keep = -1, None, 0
+        for form in self._live_forms():
+            if form.at_start:
+                stripped = buf.lstrip()
+                start = len(buf) - len(stripped) if stripped.startswith(form.open) else -1
+                if start == -1 and form.open.startswith(stripped):
+                    keep = max(keep, len(stripped))
+            else:
+                start = buf.find(form.open)
+                keep = max(keep, partial_len(buf, form.open))
+            if start != -1 and (best == -1 or start < best
+                                or (start == best and len(form.open) > len(best_form.open))):
+                best, best_form = start, form
+        if best_form is not None:
+            tail = buf[best:]
+            if any(len(form.open) > len(tail) and form.open.startswith(tail) for form in self._live_forms()):
+                return -1, None, len(tail)   # a longer opening ("[TOOL_CALLS]" after "[") may still follow
+        return best, best_form, keep
+
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content safe to emit now, calls completed by this delta)."""
         self._buf += delta
@@ -135,33 +113,46 @@ class ToolCallStreamParser:
         calls: list[ToolCall] = []
         while True:
             buf = self._buf
-            if not self._in_block:
-                start = buf.find(OPEN)
-                if start == -1:
-                    keep = _partial_open_len(buf)
+            form = self._form
+            if form is None:
+                start, form, keep = self._find_open(buf)
+                if form is None:
                     out.append(self._content(buf[: len(buf) - keep]))
                     self._buf = buf[len(buf) - keep :]
                     break
                 out.append(self._content(buf[:start]))
-                self._buf, self._in_block, self._scan = buf[start:], True, len(OPEN)
+                self._buf, self._form, self._scan = buf[start:], form, len(form.open)
                 continue
-            end = buf.find(CLOSE, self._scan)
+            if form.close is None:
+                break   # the block runs to the end of the output: resolved by finish
+            end = buf.find(form.close, self._scan)
             if end == -1:
-                # CLOSE may straddle the next delta, so rescan its possible start.
-                self._scan = max(len(OPEN), len(buf) - len(CLOSE) + 1)
+                # The close may straddle the next delta, so rescan its possible start.
+                self._scan = max(len(form.open), len(buf) - len(form.close) + 1)
                 break
-            call = _parse_block(buf[len(OPEN) : end])
-            if call is not None:
-                calls.append(call)
-                self._num_calls += 1
-                self._at_boundary = True
-            else:
-                out.append(self._content(buf[: end + len(CLOSE)]))
-            self._buf, self._in_block = buf[end + len(CLOSE) :], False
+            out.append(self._resolve(buf[: end + len(form.close)], buf[len(form.open) : end], form, calls))
+            self._buf, self._form = buf[end + len(form.close) :], None
         return "".join(out), calls
 
-    def finish(self) -> str:
-        """At the end of generation: held-back text (an unterminated block, a partial tag)."""
-        out = self._content(self._buf)
-        self._buf, self._in_block, self._held_ws = "", False, ""
-        return out
+    def _resolve(self, block: str, body: str, form: CallSyntax, calls: list[ToolCall]) -> str:
+        """The block's calls into `calls`, or its text back as content."""
+        found = form.parse(form.open + body if form.keep_open else body, self._names)
+        if not found:
+            return self._content(block)
+        calls += found
+        self._num_calls += len(found)
+        self._at_boundary = self._started = True
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of generation: held-back text (an unterminated block, a partial opening), and the
+        calls of a block that runs to the end of the output."""
+        form, buf = self._form, self._buf
+        self._buf, self._form = "", None
+        calls: list[ToolCall] = []
+        if form is not None and form.close is None:
+            out = self._resolve(buf, buf[len(form.open):], form, calls)
+        else:
+            out = self._content(buf)
+        self._held_ws = ""
+        return out, calls

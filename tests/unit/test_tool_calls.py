@@ -32,7 +32,9 @@ def stream(text: str, sizes: list[int]) -> tuple[str, list[ToolCall], list[str]]
         pieces.append(content)
         calls += new
         pos += size
-    pieces.append(parser.finish())
+    rest, more = parser.finish()
+    pieces.append(rest)
+    calls += more
     assert parser.num_calls == len(calls)
     return "".join(pieces), calls, pieces
 
@@ -184,7 +186,7 @@ def test_streaming_emits_content_early_and_holds_tag_prefixes():
     content, calls = parser.feed("call>")
     assert content == "" and pairs(calls) == [("f", {})]
     assert parser.num_calls == 1
-    assert parser.finish() == ""
+    assert parser.finish() == ("", [])
 
 
 def test_streaming_invalid_block_released_verbatim_on_close():
@@ -198,4 +200,4 @@ def test_streaming_invalid_block_released_verbatim_on_close():
 def test_streaming_finish_returns_held_text(tail):
     parser = ToolCallStreamParser()
     assert parser.feed("Text " + tail) == ("Text ", [])
-    assert parser.finish() == tail
+    assert parser.finish() == (tail, [])
