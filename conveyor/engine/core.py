@@ -36,12 +36,13 @@ from conveyor.engine.messages import (
     TokenDelta,
     WatchBatch,
 )
-from conveyor.engine.stats import EngineStats, StepStats
+from conveyor.engine.stats import DiskTierCounts, EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.engine.runtime_builder import Runtime, build_runtime
 from conveyor.model.llama import LlamaModel
+from conveyor.runtime.prefix_tier import build_disk_tier
 from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
 
@@ -91,6 +92,9 @@ class EngineCore:
         self.max_model_len = runtime.max_model_len
         num_threads, num_blocks, cache_cfg = runtime.num_threads, runtime.kv_cache.num_blocks, config.cache
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.disk_tier = build_disk_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
+                                         dtype=self.dtype, quantization=self.quantization, device=self.device,
+                                         kernel_features=getattr(self.kernel_library, "features", None))
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
@@ -223,8 +227,10 @@ class EngineCore:
             self.snapshots.watch(command.interval_s)
 
     def close(self) -> None:
-        """Stop what the core started beside itself (tensor-parallel workers)."""
+        """Stop what the core started beside itself (tensor-parallel workers, the disk tier's writer)."""
         self.runner.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
 
     def has_news(self) -> bool:
         """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
@@ -259,6 +265,9 @@ class EngineCore:
         deltas, self._pending = self._pending, []
         started = self.clock()
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
+        disk_before = DiskTierCounts(*self.disk_tier.totals()) if self.disk_tier is not None else None
+        if self.disk_tier is not None:
+            self.disk_tier.load_for(self.scheduler.waiting)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self.structured.wait(_IDLE_COMPILE_WAIT_S)   # only grammars in flight: no busy spin
@@ -273,6 +282,8 @@ class EngineCore:
             logger.exception("step failed; failing its %d requests", len(plan.rows))
             deltas += self._fail(plan, f"internal error while running the model: {exc}")
             failed = True
+        if self.disk_tier is not None:
+            self.disk_tier.save_new_blocks()
         step = StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
@@ -289,6 +300,7 @@ class EngineCore:
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,
             accepted_per_position=tuple(drafts.accepted_per_position),
+            disk=DiskTierCounts(*self.disk_tier.totals()) - disk_before if disk_before is not None else None,
         )
         self.stats.record(step)
         self.last_step = step
