@@ -116,7 +116,8 @@ class EngineCore:
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
-                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path))
+                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
+                             prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "")
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         sched = config.scheduler
@@ -265,7 +266,6 @@ class EngineCore:
         deltas, self._pending = self._pending, []
         started = self.clock()
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
-        disk_before = DiskTierCounts(*self.disk_tier.totals()) if self.disk_tier is not None else None
         if self.disk_tier is not None:
             self.disk_tier.load_for(self.scheduler.waiting)
         plan = self.scheduler.schedule()
@@ -300,7 +300,7 @@ class EngineCore:
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,
             accepted_per_position=tuple(drafts.accepted_per_position),
-            disk=DiskTierCounts(*self.disk_tier.totals()) - disk_before if disk_before is not None else None,
+            disk=DiskTierCounts(*self.disk_tier.take_counts()) if self.disk_tier is not None else None,
         )
         self.stats.record(step)
         self.last_step = step

@@ -7,7 +7,7 @@ from dataclasses import astuple, dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class DiskTierCounts:
-    """The disk tier's counters, as totals or as one step's deltas."""
+    """The disk tier's counters: one step's, or totals."""
 
     num_query_tokens: int = 0    # prompt tokens past the memory hits looked up on disk
     num_hit_tokens: int = 0      # tokens read back from disk and then used by a request
@@ -17,8 +17,6 @@ class DiskTierCounts:
     def __add__(self, other: DiskTierCounts) -> DiskTierCounts:
         return DiskTierCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
-    def __sub__(self, other: DiskTierCounts) -> DiskTierCounts:
-        return DiskTierCounts(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass(frozen=True, slots=True)

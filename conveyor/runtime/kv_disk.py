@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from conveyor.private_cache import private_dir, read_private_file, write_atomically
+from conveyor.runtime.named_prompts import BLOCK_SUFFIX, block_file_name, pinned_files
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"CVKVBLK1"
 # magic, fingerprint, block hash, payload bytes, crc32 of the payload
 _HEADER = struct.Struct("<8s32s32sQI")
-_SUFFIX = ".kv"
 _TRIM_TO = 0.9                    # of max_bytes, so a full folder is not rescanned on every write
 _RESCAN_S = 30.0                  # another server's files count within this long
 _STALE_PARTIAL_S = 600.0          # a temporary file this old belongs to a writer that died
@@ -53,7 +53,6 @@ class KVDiskStore:
         self.bytes_read = 0
         self.num_dropped = 0              # blocks not written: the queue was full (a slow disk)
         self.num_bad_files = 0            # files refused on read
-        self.pinned: frozenset[str] = frozenset()   # file names trimming keeps (named prompts)
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
         self._queued_bytes = 0
         self._idle = threading.Condition()
@@ -72,7 +71,7 @@ class KVDiskStore:
         return cls(folder, fingerprint, block_nbytes, max_bytes)
 
     def path_for(self, block_hash: bytes) -> Path:
-        return self.folder / f"{block_hash.hex()}{_SUFFIX}"
+        return self.folder / block_file_name(block_hash)
 
     def has(self, block_hash: bytes) -> bool:
         return os.path.exists(self.path_for(block_hash))
@@ -169,7 +168,7 @@ class KVDiskStore:
         """Remove the least recently used block files under the root until they fit; returns the bytes left."""
         files: list[tuple[float, int, Path]] = []
         now = time.time()
-        for path in self.root.glob(f"*/*{_SUFFIX}"):
+        for path in self.root.glob(f"*/*{BLOCK_SUFFIX}"):
             try:
                 info = path.lstat()
             except OSError:
@@ -185,10 +184,11 @@ class KVDiskStore:
         if total <= self.max_bytes:
             return total
         files.sort()
+        pinned = {folder: pinned_files(folder) for folder in {path.parent for _, _, path in files}}
         for _, size, path in files:
             if total <= _TRIM_TO * self.max_bytes:
                 break
-            if path.name in self.pinned and path.parent == self.folder:
+            if path.name in pinned[path.parent]:
                 continue
             _unlink(path)
             total -= size

@@ -37,6 +37,7 @@ class DiskPrefixTier:
         self.num_query_tokens = 0    # prompt tokens past the memory hits looked up on disk
         self.num_loaded_tokens = 0   # of which read back (used or not)
         self._looked_up: set[str] = set()   # waiting requests already looked up
+        self._reported = (0, 0, 0, 0)       # take_counts' totals at its last call
 
     # ------------------------------------------------------------ reading back
 
@@ -93,10 +94,14 @@ class DiskPrefixTier:
             if not self.store.submit(block_hash, block):
                 logger.debug("prefix cache: write queue full; a block stays in memory only")
 
-    def totals(self) -> tuple[int, int, int, int]:
-        """Tokens looked up on disk, tokens read back and used, bytes read, bytes written: since start."""
-        return (self.num_query_tokens, self.blocks.num_adopted_hit_tokens, self.store.bytes_read,
-                self.store.bytes_written)
+    def take_counts(self) -> tuple[int, int, int, int]:
+        """Tokens looked up on disk, tokens read back and used, bytes read, bytes written, since the last
+        call (the writer's bytes between two steps count with the later one)."""
+        totals = (self.num_query_tokens, self.blocks.num_adopted_hit_tokens, self.store.bytes_read,
+                  self.store.bytes_written)
+        deltas = tuple(now - before for now, before in zip(totals, self._reported))
+        self._reported = totals
+        return deltas
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.store.close(timeout_s)

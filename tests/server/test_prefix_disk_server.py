@@ -25,6 +25,7 @@ def test_restart_hits_the_disk_and_metrics_say_so(tiny_checkpoint: Path, tmp_pat
     first = start_server(tiny_checkpoint, prefix_cache_dir=folder)
     try:
         cold = complete(first.base_url, first.model_name)
+        assert first.engine.core.disk_tier.store.flush(30)   # writes are counted with the next step
         again = complete(first.base_url, first.model_name)   # from memory
         values = metrics(first.base_url)
     finally:
@@ -61,3 +62,51 @@ def test_restart_of_the_server_process(tiny_checkpoint: Path, tmp_path: Path) ->
             process.wait(60)
     (cold, _), (warm, values) = outputs
     assert warm == cold and values["vllm:external_prefix_cache_hits_total"] > 0
+
+
+def slot(base_url: str, action: str, body: dict | None = None, slot_id: str = "0") -> httpx.Response:
+    return httpx.post(f"{base_url}/slots/{slot_id}", params={"action": action}, json=body, timeout=30)
+
+
+def test_slot_files_name_a_prompt_across_restarts(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    folder = str(tmp_path / "kv")
+    first = start_server(tiny_checkpoint, prefix_cache_dir=folder)
+    try:
+        assert slot(first.base_url, "save", {"filename": "early"}).status_code == 400   # nothing served yet
+        cold = complete(first.base_url, first.model_name)
+        saved = slot(first.base_url, "save", {"filename": "parser.bin"}).json()
+    finally:
+        first.stop()
+    assert saved["id_slot"] == 0 and saved["filename"] == "parser.bin" and saved["n_saved"] >= 16
+    second = start_server(tiny_checkpoint, prefix_cache_dir=folder)
+    try:
+        restored = slot(second.base_url, "restore", {"filename": "parser.bin"}).json()
+        assert restored["n_restored"] == saved["n_saved"]
+        assert complete(second.base_url, second.model_name) == cold
+        assert metrics(second.base_url)["vllm:external_prefix_cache_hits_total"] > 0
+        assert slot(second.base_url, "restore", {"filename": "other"}).status_code == 404
+        assert slot(second.base_url, "erase", {"filename": "parser.bin"}).json()["n_erased"] > 0
+        assert slot(second.base_url, "restore", {"filename": "parser.bin"}).status_code == 404
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("action,body,slot_id", [
+    ("save", {"filename": "../escape"}, "0"), ("save", {"filename": "a/b"}, "0"), ("save", {"filename": ".."}, "0"),
+    ("save", {"filename": ".hidden"}, "0"), ("save", {"filename": "x" * 200}, "0"), ("save", {"filename": 3}, "0"),
+    ("save", {}, "0"), ("restore", None, "0"), ("load", {"filename": "a"}, "0"),
+    ("save", {"filename": "a", "extra": 1}, "0"), ("save", {"filename": "a"}, "-1"), ("save", {"filename": "a"}, "x"),
+])
+def test_bad_slot_requests_are_400(tiny_server, action: str, body: dict | None, slot_id: str) -> None:  # noqa: ANN001
+    response = slot(tiny_server.base_url, action, body, slot_id)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_slot_files_need_the_api_key(keyed_server) -> None:  # noqa: ANN001
+    assert slot(keyed_server.base_url, "erase").status_code == 401
+
+
+def test_slot_files_need_a_prefix_cache_dir(tiny_server) -> None:  # noqa: ANN001
+    response = slot(tiny_server.base_url, "restore", {"filename": "a"})
+    assert response.status_code == 400 and "--prefix-cache-dir" in response.json()["error"]["message"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -134,7 +135,9 @@ def test_size_bound_evicts_least_recently_used(tmp_path: Path) -> None:
     write(store, 5)                          # over the bound: trimmed to 90 %
     left = sorted(int(p.stem, 16) for p in store.folder.glob("*.kv"))
     assert left == [0, 3, 4, 5]
-    store.pinned = frozenset({store.path_for(key(3)).name})
+    (store.folder / "named").mkdir(mode=0o700)   # a named prompt keeps block 3
+    (store.folder / "named" / "keep.json").write_text(json.dumps(
+        {"version": 1, "token_ids": [1, 2], "blocks": [store.path_for(key(3)).name]}))
     write(store, 6, 7)
     left = sorted(int(p.stem, 16) for p in store.folder.glob("*.kv"))
     assert 3 in left and len(left) <= 4
