@@ -161,3 +161,16 @@ def test_two_stores_share_a_folder(tmp_path: Path) -> None:
         assert payload is not None and torch.equal(as_block(payload), block(i))
     a.close()
     b.close()
+
+
+def test_model_digest_sees_a_swapped_file_of_the_same_size_and_mtime(tmp_path: Path) -> None:
+    from conveyor.runtime.kv_fingerprint import model_digest
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"A" * 4096)
+    info = model.stat()
+    first = model_digest(model, tmp_path / "kv")
+    assert model_digest(model, tmp_path / "kv") == first and len(list((tmp_path / "kv" / "digests").iterdir())) == 1
+    model.write_bytes(b"B" * 4096)
+    os.utime(model, ns=(info.st_atime_ns, info.st_mtime_ns))   # same name, size and mtime
+    assert model_digest(model, tmp_path / "kv") != first
