@@ -19,6 +19,25 @@ class DiskTierCounts:
 
 
 
+@dataclass(slots=True)
+class DraftTally:
+    """One step's speculative decoding counts, for its StepStats."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_tokens += num_accepted_tokens
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+            for i in range(num_accepted_tokens):
+                self.accepted_per_position[i] += 1
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     num_prefill_tokens: int

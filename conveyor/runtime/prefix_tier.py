@@ -1,21 +1,29 @@
 """DiskPrefixTier: the prefix cache's second tier, between the block manager and a KVDiskStore.
 
-    after a step:      blocks hashed for the first time --copy (memcpy)--> writer thread --> ROOT/.../<hash>.kv
-    before a schedule: waiting prompt's blocks past its memory hits <--read-- files, into free blocks,
-                       adopted under their hashes; the scheduler then finds them as cached blocks
+    after a step:  blocks hashed for the first time --copy (memcpy)--> writer thread --> ROOT/.../<hash>.kv
+    on arrival:    a prompt whose next block past its memory hits is on disk is held back from the
+                   scheduler while the reader thread reads its blocks (in chain order, to the first miss)
+    before a step: a held prompt whose read is done (or has taken _MAX_HOLD_S) gets what was read copied
+                   into free blocks, adopted under their hashes, and goes to the scheduler, which then
+                   finds them as cached blocks: those tokens are not computed
 
 Every full block goes to the disk once, as soon as it is cached (not when memory evicts it): its copy
-then outlives an eviction, a restart and a crash alike, and shutdown has nothing to flush. The copy
-out is a memcpy on the step loop; the disk write is not. The read back is on the step loop, one block
-file per 16 tokens (tens of milliseconds for thousands of tokens against seconds to recompute them).
+then outlives an eviction, a restart and a crash alike, and shutdown has nothing to flush. Neither
+the disk writes nor the reads run on the step loop: only memcpys do, so a slow disk turns hits into
+misses and never slows a step.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from conveyor.config import EngineConfig
@@ -27,61 +35,106 @@ from conveyor.runtime.kv_fingerprint import kv_fingerprint, model_digest
 
 logger = logging.getLogger(__name__)
 
-_LOOKAHEAD = 8   # waiting requests whose prefix is read back before they are admitted
+_MAX_HOLD_S = 2.0   # a prompt waits this long at most for its blocks; what is not read by then is computed
+
+
+@dataclass(slots=True, eq=False)
+class _Read:
+    """One held prompt's read: the reader appends payloads in chain order and sets `done`."""
+
+    request: Request
+    first_block: int                  # index of the first block read: the memory hits end there
+    block_hashes: list[bytes]
+    started_s: float
+    payloads: list[np.ndarray] = field(default_factory=list)
+    done: bool = False
+    cancelled: bool = False
 
 
 class DiskPrefixTier:
-    def __init__(self, store: KVDiskStore, blocks: BlockManager, kv_cache: KVCache) -> None:
-        self.store, self.blocks, self.kv_cache = store, blocks, kv_cache
+    def __init__(self, store: KVDiskStore, blocks: BlockManager, kv_cache: KVCache,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.blocks, self.kv_cache, self.clock = store, blocks, kv_cache, clock
         blocks.track_new_blocks = True
         self.num_query_tokens = 0    # prompt tokens past the memory hits looked up on disk
         self.num_loaded_tokens = 0   # of which read back (used or not)
-        self._looked_up: set[str] = set()   # waiting requests already looked up
+        self.held: dict[str, _Read] = {}
+        self._reads: queue.Queue[_Read | None] = queue.Queue()
         self._reported = (0, 0, 0, 0)       # take_counts' totals at its last call
+        self._read_done = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._reader.start()
 
     # ------------------------------------------------------------ reading back
 
-    def load_for(self, waiting: Sequence[Request]) -> None:
-        """Read back the disk blocks of the first waiting requests' prompts, once per wait."""
-        heads = waiting[:_LOOKAHEAD]
-        for request in heads:
-            if request.request_id not in self._looked_up:
-                self._looked_up.add(request.request_id)
-                self.load(request)
-        self._looked_up.intersection_update(r.request_id for r in heads)
-
-    def load(self, request: Request) -> int:
-        """Bring the request's leading full blocks that are on disk but not in memory into free blocks;
-        returns how many were read. Stops at the first miss: a chain is only as long as its first gap."""
-        blocks, size = self.blocks, self.blocks.block_size
-        in_memory = blocks.find_cached_blocks(request)
+    def hold(self, request: Request) -> bool:
+        """Start reading the request's blocks past its memory hits, when the first of them is on disk;
+        True if it is held (the engine schedules it once `take_ready` returns it)."""
+        size = self.blocks.block_size
+        in_memory = self.blocks.find_cached_blocks(request)
         wanted = request.block_hashes[len(in_memory):(request.num_tokens - 1) // size]
-        if not wanted:
-            return 0
+        self.num_query_tokens += len(wanted) * size
+        if not wanted or not self.store.has(wanted[0]):
+            return False
+        read = _Read(request, len(in_memory), wanted, self.clock())
+        self.held[request.request_id] = read
+        self._reads.put(read)
+        return True
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a held request (aborted); False if it is not held."""
+        read = self.held.pop(request_id, None)
+        if read is None:
+            return False
+        read.cancelled = True
+        return True
+
+    def take_ready(self) -> list[Request]:
+        """The held requests whose read is done or overdue, their blocks in memory now, in arrival order."""
+        now = self.clock()
+        ready = [read for read in self.held.values() if read.done or now - read.started_s > _MAX_HOLD_S]
+        for read in ready:
+            del self.held[read.request.request_id]
+            read.cancelled = True
+            self._adopt(read, list(read.payloads))
+        return [read.request for read in ready]
+
+    def _adopt(self, read: _Read, payloads: list[np.ndarray]) -> None:
+        """Copy what was read into free blocks, unless memory lost the chain's head meanwhile."""
+        blocks = self.blocks
+        in_memory = blocks.find_cached_blocks(read.request)
+        if len(in_memory) < read.first_block:
+            return   # a hole before the blocks read: the scheduler would never reach them
         blocks.touch(in_memory)   # so that no block adopted below evicts them
         room = blocks.num_free_blocks - sum(1 for b in in_memory if blocks.ref_counts[b] == 0)
-        self.num_query_tokens += len(wanted) * size
-        num_read = 0
-        for block_hash in wanted[:room]:
+        for block_hash, payload in zip(read.block_hashes[:room], payloads):
             cached = blocks.cached.get(block_hash)
-            if cached is not None:   # a later block of the chain is still in memory
+            if cached is not None:   # computed by another request meanwhile
                 blocks.touch([cached])
                 continue
-            payload = self.store.read(block_hash)
-            if payload is None:
-                break
             block_id = blocks.adopt(block_hash)
             if block_id is None:
                 break
-            self._write_block(block_id, payload)
-            num_read += 1
-        self.num_loaded_tokens += num_read * size
-        return num_read
+            dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D)
+            dest.copy_(torch.tensor(payload).view(dest.dtype).view(dest.shape))
+            self.num_loaded_tokens += blocks.block_size
 
-    def _write_block(self, block_id: int, payload) -> None:  # noqa: ANN001 - a uint8 numpy array
-        dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D)
-        source = torch.tensor(payload).view(dest.dtype).view(dest.shape)
-        dest.copy_(source)
+    def _read_loop(self) -> None:
+        while (read := self._reads.get()) is not None:
+            for block_hash in read.block_hashes:
+                if read.cancelled:
+                    break
+                payload = self.store.read(block_hash)
+                if payload is None:
+                    break
+                read.payloads.append(payload)
+            read.done = True
+            self._read_done.set()
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a read finishes (or timeout_s): a core with only held requests has nothing to do."""
+        if self._read_done.wait(timeout_s):
+            self._read_done.clear()
 
     # ------------------------------------------------------------ writing out
 
@@ -104,6 +157,7 @@ class DiskPrefixTier:
         return deltas
 
     def close(self, timeout_s: float = 5.0) -> None:
+        self._reads.put(None)
         self.store.close(timeout_s)
 
 

@@ -4,12 +4,14 @@ foreign file is a miss with the same tokens, two engines share one folder."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.block_manager import hash_block
+from conveyor.runtime import prefix_tier
 
 pytest.importorskip("gguf")
 
@@ -118,3 +120,52 @@ def test_two_engines_share_a_folder(reference, tmp_path: Path) -> None:  # noqa:
     stop(b)
     stop(c)
     assert not list(shared.glob("*/.*.tmp"))
+
+
+def slow_reads(llm: LLM, delay_s: float) -> None:
+    """Every block read takes `delay_s` more: a slow disk (the files and the checks stay real)."""
+    store = llm.engine.core.disk_tier.store
+    read = store.read
+
+    def slow(block_hash: bytes):  # noqa: ANN202
+        time.sleep(delay_s)
+        return read(block_hash)
+
+    store.read = slow
+
+
+def test_a_slow_disk_never_holds_up_a_step(reference, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    folder, prompt_ids, tokens = reference
+    llm = engine(copy_folder(folder, tmp_path / "kv"))
+    core = llm.engine.core
+    slow_reads(llm, 0.05)
+    monkeypatch.setattr(prefix_tier, "_MAX_HOLD_S", 0.3)   # then what is not read is computed
+    llm.engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="a")
+    llm.engine.step()
+    llm.engine.add_request(prompt_ids, GREEDY, request_id="b")
+    assert "b" in core.disk_tier.held
+    streamed = sum(len(o.new_token_ids) for o in llm.engine.step() if o.request_id == "a")
+    assert streamed == 1 and "b" in core.disk_tier.held   # a decoded while b's blocks were being read
+    done: dict[str, list[int]] = {"a": [], "b": []}
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            done[output.request_id] += output.new_token_ids
+    assert done["b"] == tokens
+    hits = core.stats.disk.num_hit_tokens
+    assert 0 < hits < (len(prompt_ids) - 1) // 16 * 16   # some blocks in time, the rest computed
+    core.blocks.check_integrity()
+    stop(llm)
+
+
+def test_abort_while_reading(reference, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, prompt_ids, tokens = reference
+    llm = engine(copy_folder(folder, tmp_path / "kv"))
+    core = llm.engine.core
+    slow_reads(llm, 0.02)
+    llm.engine.add_request(prompt_ids, GREEDY, request_id="b")
+    assert "b" in core.disk_tier.held and llm.engine.has_unfinished_requests()
+    assert llm.engine.abort_request("b")
+    assert not core.disk_tier.held and not llm.engine.has_unfinished_requests()
+    assert run(llm, prompt_ids) == tokens
+    assert core.blocks.num_used_blocks == 0
+    stop(llm)
