@@ -63,12 +63,9 @@ class KVDiskStore:
 
     @classmethod
     def open(cls, root: Path, fingerprint: bytes, block_nbytes: int, max_bytes: int) -> KVDiskStore | None:
-        """The store in `root`, or None (logged) when the folder is not private to this user."""
+        """The store in `root`, or None when the folder is not private to this user."""
         folder = private_dir(root / fingerprint.hex()[:32], root=root)
-        if folder is None:
-            logger.warning("prefix cache dir %s is not a folder only this user can write: the disk tier is off", root)
-            return None
-        return cls(folder, fingerprint, block_nbytes, max_bytes)
+        return None if folder is None else cls(folder, fingerprint, block_nbytes, max_bytes)
 
     def path_for(self, block_hash: bytes) -> Path:
         return self.folder / block_file_name(block_hash)

@@ -29,6 +29,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import Request
+from conveyor.model.llama import ModelArch
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.kv_disk import KVDiskStore
 from conveyor.runtime.kv_fingerprint import kv_fingerprint, model_digest
@@ -57,7 +58,6 @@ class DiskPrefixTier:
         self.store, self.blocks, self.kv_cache, self.clock = store, blocks, kv_cache, clock
         blocks.track_new_blocks = True
         self.num_query_tokens = 0    # prompt tokens past the memory hits looked up on disk
-        self.num_loaded_tokens = 0   # of which read back (used or not)
         self.held: dict[str, _Read] = {}
         self._reads: queue.Queue[_Read | None] = queue.Queue()
         self._reported = (0, 0, 0, 0)       # take_counts' totals at its last call
@@ -117,7 +117,6 @@ class DiskPrefixTier:
                 break
             dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D)
             dest.copy_(torch.tensor(payload).view(dest.dtype).view(dest.shape))
-            self.num_loaded_tokens += blocks.block_size
 
     def _read_loop(self) -> None:
         while (read := self._reads.get()) is not None:
@@ -162,15 +161,20 @@ class DiskPrefixTier:
 
 
 def build_disk_tier(config: EngineConfig, model_path: Path, kv_cache: KVCache, blocks: BlockManager, *,
-                    arch, dtype: torch.dtype, quantization: str,  # noqa: ANN001 - a ModelArch
+                    arch: ModelArch, dtype: torch.dtype, quantization: str,
                     kernel_features: frozenset[str] | None, device: torch.device) -> DiskPrefixTier | None:
-    """The disk tier the config asks for (None without --prefix-cache-dir or in a folder we cannot trust)."""
+    """The disk tier the config asks for (None without --prefix-cache-dir); ValueError for a folder that
+    others could write (a planted block would be read as this model's KV)."""
     cache = config.cache
     if cache.prefix_cache_dir is None:
         return None
     if config.model.tensor_parallel_size > 1:   # each rank holds a slice of every block
         raise ValueError("prefix_cache_dir does not work with tensor_parallel_size > 1 yet")
-    root = Path(cache.prefix_cache_dir)
+    root = Path(cache.prefix_cache_dir).expanduser()
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"prefix_cache_dir {root}: {exc}") from exc
     digest = model_digest(model_path, root)
     fingerprint = kv_fingerprint(digest, arch, dtype=dtype, kv_dtype=kv_cache.tensor.dtype, quantization=quantization,
                                  kernel_features=kernel_features, device=device, block_size=kv_cache.block_size,
@@ -179,7 +183,7 @@ def build_disk_tier(config: EngineConfig, model_path: Path, kv_cache: KVCache, b
     block_nbytes = kv_cache.tensor[:, :, 0].numel() * kv_cache.tensor.element_size()
     store = KVDiskStore.open(root, fingerprint, block_nbytes, cache.prefix_cache_disk_bytes)
     if store is None:
-        return None
+        raise ValueError(f"prefix_cache_dir {root} must be a folder that only this user can write")
     logger.info("prefix cache on disk: %s (%s, up to %.1f GiB)", store.folder, fingerprint.hex()[:12],
                 cache.prefix_cache_disk_bytes / 2**30)
     return DiskPrefixTier(store, blocks, kv_cache)

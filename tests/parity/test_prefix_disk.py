@@ -169,3 +169,11 @@ def test_abort_while_reading(reference, tmp_path: Path) -> None:  # noqa: ANN001
     assert run(llm, prompt_ids) == tokens
     assert core.blocks.num_used_blocks == 0
     stop(llm)
+
+
+def test_a_folder_others_can_write_is_refused_at_start(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="only this user can write"):
+        engine(shared)
