@@ -14,12 +14,14 @@ a read touches its file), rescanned now and then, so files another server adds o
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -60,6 +62,7 @@ class KVDiskStore:
         self._total_bytes, self._scanned_at = self._trim(), time.monotonic()
         self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._thread.start()
+        atexit.register(_flush_at_exit, weakref.ref(self))   # an offline script's last blocks reach the disk
 
     @classmethod
     def open(cls, root: Path, fingerprint: bytes, block_nbytes: int, max_bytes: int) -> KVDiskStore | None:
@@ -190,6 +193,12 @@ class KVDiskStore:
             _unlink(path)
             total -= size
         return total
+
+
+def _flush_at_exit(ref: weakref.ref[KVDiskStore]) -> None:
+    store = ref()
+    if store is not None:
+        store.flush(5.0)
 
 
 def _unlink(path: Path) -> None:

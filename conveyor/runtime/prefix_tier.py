@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from conveyor.config import EngineConfig
@@ -47,7 +46,7 @@ class _Read:
     first_block: int                  # index of the first block read: the memory hits end there
     block_hashes: list[bytes]
     started_s: float
-    payloads: list[np.ndarray] = field(default_factory=list)
+    payloads: list[torch.Tensor] = field(default_factory=list)   # uint8, one block's bytes each
     done: bool = False
     cancelled: bool = False
 
@@ -99,7 +98,7 @@ class DiskPrefixTier:
             self._adopt(read, list(read.payloads))
         return [read.request for read in ready]
 
-    def _adopt(self, read: _Read, payloads: list[np.ndarray]) -> None:
+    def _adopt(self, read: _Read, payloads: list[torch.Tensor]) -> None:
         """Copy what was read into free blocks, unless memory lost the chain's head meanwhile."""
         blocks = self.blocks
         in_memory = blocks.find_cached_blocks(read.request)
@@ -116,7 +115,7 @@ class DiskPrefixTier:
             if block_id is None:
                 break
             dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D)
-            dest.copy_(torch.tensor(payload).view(dest.dtype).view(dest.shape))
+            dest.copy_(payload.view(dest.dtype).view(dest.shape))
 
     def _read_loop(self) -> None:
         while (read := self._reads.get()) is not None:
@@ -126,7 +125,7 @@ class DiskPrefixTier:
                 payload = self.store.read(block_hash)
                 if payload is None:
                     break
-                read.payloads.append(payload)
+                read.payloads.append(torch.tensor(payload))   # the copy off the step loop too
             read.done = True
             self._read_done.set()
 
