@@ -49,6 +49,7 @@ class _Read:
     payloads: list[torch.Tensor] = field(default_factory=list)   # uint8, one block's bytes each
     done: bool = False
     cancelled: bool = False
+    after: _Read | None = None        # an earlier read of the same chain: this one waits for it, reads nothing
 
 
 class DiskPrefixTier:
@@ -75,9 +76,18 @@ class DiskPrefixTier:
         self.num_query_tokens += len(wanted) * size
         if not wanted or not self.store.has(wanted[0]):
             return False
-        read = _Read(request, len(in_memory), wanted, self.clock())
+        # Prompts that start alike (a shared system prompt after a restart) read their blocks once.
+        same = next((r for r in self.held.values() if r.block_hashes[:1] == wanted[:1]), None)
+        if same is not None:
+            read = _Read(request, len(in_memory), [], self.clock(), after=same)
+        else:
+            # What is read waits in memory: never more blocks at once than the KV cache holds.
+            room = self.blocks.num_blocks - sum(len(r.block_hashes) for r in self.held.values())
+            if room <= 0:
+                return False
+            read = _Read(request, len(in_memory), wanted[:room], self.clock())
+            self._reads.put(read)
         self.held[request.request_id] = read
-        self._reads.put(read)
         return True
 
     def drop(self, request_id: str) -> bool:
@@ -91,7 +101,8 @@ class DiskPrefixTier:
     def take_ready(self) -> list[Request]:
         """The held requests whose read is done or overdue, their blocks in memory now, in arrival order."""
         now = self.clock()
-        ready = [read for read in self.held.values() if read.done or now - read.started_s > _MAX_HOLD_S]
+        ready = [read for read in self.held.values()
+                 if (read.after or read).done or now - read.started_s > _MAX_HOLD_S]
         for read in ready:
             del self.held[read.request.request_id]
             read.cancelled = True

@@ -177,3 +177,17 @@ def test_a_folder_others_can_write_is_refused_at_start(tmp_path: Path) -> None:
     shared.chmod(0o777)
     with pytest.raises(ValueError, match="only this user can write"):
         engine(shared)
+
+
+def test_prompts_sharing_a_prefix_read_it_once(reference, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, prompt_ids, _ = reference
+    llm = engine(copy_folder(folder, tmp_path / "kv"))
+    prompts = [prompt_ids + [11 + i] * 20 for i in range(3)]
+    plain = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=512, enable_prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    stats, num_files = llm.engine.stats, len(prompt_ids) // 16
+    assert stats.disk.bytes_read <= num_files * llm.engine.core.disk_tier.store.block_nbytes * 1.01   # once
+    # The first prompt to use a block read back counts a disk hit, the others a memory hit.
+    assert stats.disk.num_hit_tokens == num_files * 16 and stats.num_prefix_hit_tokens == 3 * num_files * 16
+    stop(llm)
