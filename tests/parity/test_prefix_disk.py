@@ -49,6 +49,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]
     return folder, prompt_ids, tokens
 
 
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    """The same engine without a prefix cache: the tokens every cached run must give."""
+    return LLM(kv_cache_memory="64MiB", max_num_batched_tokens=512, enable_prefix_caching=False)
+
+
 def copy_folder(source: Path, dest: Path) -> Path:
     shutil.copytree(source, dest)   # modes too: the store reads only private files
     return dest
@@ -102,7 +108,7 @@ def test_another_kv_dtype_is_another_cache(reference, tmp_path: Path) -> None:  
     assert len({p.parent for p in block_files(copy)}) == 2   # each fingerprint has a folder of its own
 
 
-def test_two_engines_share_a_folder(reference, tmp_path: Path) -> None:  # noqa: ANN001
+def test_two_engines_share_a_folder(reference, plain: LLM, tmp_path: Path) -> None:  # noqa: ANN001
     folder, prompt_ids, tokens = reference
     shared = copy_folder(folder, tmp_path / "kv")
     a, b = engine(shared), engine(shared)
@@ -114,7 +120,7 @@ def test_two_engines_share_a_folder(reference, tmp_path: Path) -> None:  # noqa:
     assert run(b, prompt_ids) == tokens and b.engine.stats.disk.num_hit_tokens > 0
     stop(a)
     c = engine(shared)
-    expected = run(LLM(kv_cache_memory="64MiB", max_num_batched_tokens=512, enable_prefix_caching=False), other)
+    expected = run(plain, other)
     assert run(c, other) == expected
     assert c.engine.stats.disk.num_hit_tokens == (len(other) - 1) // 16 * 16
     stop(b)
@@ -179,11 +185,10 @@ def test_a_folder_others_can_write_is_refused_at_start(tmp_path: Path) -> None:
         engine(shared)
 
 
-def test_prompts_sharing_a_prefix_read_it_once(reference, tmp_path: Path) -> None:  # noqa: ANN001
+def test_prompts_sharing_a_prefix_read_it_once(reference, plain: LLM, tmp_path: Path) -> None:  # noqa: ANN001
     folder, prompt_ids, _ = reference
     llm = engine(copy_folder(folder, tmp_path / "kv"))
     prompts = [prompt_ids + [11 + i] * 20 for i in range(3)]
-    plain = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=512, enable_prefix_caching=False)
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     stats, num_files = llm.engine.stats, len(prompt_ids) // 16
