@@ -6,7 +6,8 @@
 token ids), streamed greedily for --output-tokens tokens: the cold TTFT. The same request again is
 served from the memory prefix cache. The server is stopped (SIGTERM) and started again on the same
 DIR; the same request's TTFT is then the restart figure, and its tokens must equal the cold run's.
-JSON goes to --out-dir with the command that reproduces it.
+Last, unless --no-baseline, a server without --prefix-cache-dir runs it cold: what writing every
+block to disk costs the cold run. JSON goes to --out-dir with the command that reproduces it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a fresh temporary folder")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--no-baseline", action="store_true", help="skip the cold run without the disk tier")
     args = parser.parse_args()
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]
@@ -84,6 +86,13 @@ def main() -> None:
                 runs[names[0]]["metrics"] = disk_metrics(server.base_url)
         files = list(cache_dir.glob("*/*.kv"))
         disk_bytes = sum(p.stat().st_size for p in files)
+        if not args.no_baseline:
+            plain = servers.conveyor_command(port, model=args.model, threads=args.threads, dtype=None,
+                                             quantization=None)
+            with servers.launched(plain, port, Path(scratch) / "baseline.log") as server:
+                ttft, pieces = stream(server.base_url, prompt, args.output_tokens)
+                runs["cold without the disk tier"] = {"ttft_s": ttft, "pieces": pieces}
+                print(f"without --prefix-cache-dir: cold TTFT {ttft:.3f} s", flush=True)
     same = all(runs[name]["pieces"] == runs["cold"]["pieces"] for name in runs)
     ratio = runs["disk"]["ttft_s"] / runs["cold"]["ttft_s"]
     print(f"{args.prompt_tokens}-token prompt: cold TTFT {runs['cold']['ttft_s']:.2f} s, from memory "
