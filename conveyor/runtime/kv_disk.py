@@ -55,6 +55,7 @@ class KVDiskStore:
         self.bytes_read = 0
         self.num_dropped = 0              # blocks not written: the queue was full (a slow disk)
         self.num_bad_files = 0            # files refused on read
+        self.num_failed_writes = 0
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
         self._queued_bytes = 0
         self._idle = threading.Condition()
@@ -142,7 +143,11 @@ class KVDiskStore:
             try:
                 self._write(block_hash, block)
             except OSError as exc:   # a full or failing disk: this block stays in memory only
-                logger.warning("prefix cache: writing a block failed: %s", exc)
+                self.num_failed_writes += 1
+                if self.num_failed_writes in (1, 10, 100) or self.num_failed_writes % 1000 == 0:
+                    logger.warning("prefix cache: writing a block failed (%d so far): %s", self.num_failed_writes, exc)
+            except Exception:   # a bug fails this block, not the writer
+                logger.exception("prefix cache: writing a block failed")
             finally:
                 with self._idle:
                     self._queued_bytes -= self.block_nbytes

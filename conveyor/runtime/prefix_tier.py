@@ -130,15 +130,19 @@ class DiskPrefixTier:
 
     def _read_loop(self) -> None:
         while (read := self._reads.get()) is not None:
-            for block_hash in read.block_hashes:
-                if read.cancelled:
-                    break
-                payload = self.store.read(block_hash)
-                if payload is None:
-                    break
-                read.payloads.append(torch.tensor(payload))   # the copy off the step loop too
-            read.done = True
-            self._read_done.set()
+            try:
+                for block_hash in read.block_hashes:
+                    if read.cancelled:
+                        break
+                    payload = self.store.read(block_hash)
+                    if payload is None:
+                        break
+                    read.payloads.append(torch.tensor(payload))   # the copy off the step loop too
+            except Exception:   # a bug costs this prompt its hits, not the reader
+                logger.exception("prefix cache: reading blocks back failed")
+            finally:
+                read.done = True
+                self._read_done.set()
 
     def wait(self, timeout_s: float) -> None:
         """Sleep until a read finishes (or timeout_s): a core with only held requests has nothing to do."""

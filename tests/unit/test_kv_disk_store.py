@@ -174,3 +174,14 @@ def test_model_digest_sees_a_swapped_file_of_the_same_size_and_mtime(tmp_path: P
     model.write_bytes(b"B" * 4096)
     os.utime(model, ns=(info.st_atime_ns, info.st_mtime_ns))   # same name, size and mtime
     assert model_digest(model, tmp_path / "kv") != first
+
+
+def test_a_failed_write_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    path = store.path_for(key(1))
+    # Where the writer's temporary file would go stands a folder: the write fails as on a full disk.
+    (store.folder / f".{path.name}.{os.getpid()}.{store._thread.ident}.tmp").mkdir()
+    write(store, 1, 2)
+    assert store.num_failed_writes == 1 and store.read(key(1)) is None
+    assert torch.equal(as_block(store.read(key(2))), block(2))
+    store.close()
