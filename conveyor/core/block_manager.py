@@ -47,8 +47,8 @@ class BlockManager:
         self.num_hit_tokens = 0       # of which found
         self.track_new_blocks = False
         self.new_blocks: list[tuple[bytes, int]] = []   # (hash, block id) hashed since take_new_blocks
-        self.adopted_ids: set[int] = set()   # read back from the second tier and not attached since
-        self.num_adopted_hit_tokens = 0      # tokens of adopted blocks attached to a request
+        self.adopted_ids: set[int] = set()   # read back from the second tier, not yet a first admission's hit
+        self.num_adopted_hit_tokens = 0      # of num_hit_tokens, those adopted blocks gave
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,9 +90,14 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int, cached_block_ids: Sequence[int] = ()) -> None:
+        """Count a first admission's lookup; the adopted blocks among its hits count as the second tier's."""
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+        for block_id in cached_block_ids:
+            if block_id in self.adopted_ids:
+                self.adopted_ids.discard(block_id)
+                self.num_adopted_hit_tokens += self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are full and computed, so later requests can share them."""
@@ -163,9 +168,6 @@ class BlockManager:
                 del self.free_queue[block_id]
             self.ref_counts[block_id] += 1
             request.block_table.append(block_id)
-            if block_id in self.adopted_ids:
-                self.adopted_ids.discard(block_id)
-                self.num_adopted_hit_tokens += self.block_size
         for _ in range(self.blocks_for(num_tokens) - len(request.block_table)):
             block_id, _ = self.free_queue.popitem(last=False)
             self._evict(block_id)

@@ -323,7 +323,11 @@ def test_adopted_blocks_are_found_and_counted_as_disk_hits() -> None:
     assert blocks.adopt(b.block_hashes[2]) is None   # already cached
     assert list(blocks.free_queue)[-3:] == [*held, adopted]   # evicted last
     cached = admit(b, blocks)
-    assert cached == [*held, adopted] and blocks.num_adopted_hit_tokens == BS
+    assert cached == [*held, adopted] and blocks.num_adopted_hit_tokens == 0
+    blocks.record_lookup(b.num_tokens, len(cached) * BS, cached)   # a first admission's hits
+    assert blocks.num_hit_tokens == 3 * BS and blocks.num_adopted_hit_tokens == BS
+    blocks.record_lookup(b.num_tokens, len(cached) * BS, cached)   # counted once
+    assert blocks.num_adopted_hit_tokens == BS
     audit_blocks(blocks, [b])
 
 
