@@ -82,9 +82,18 @@ class CacheConfig:
     # "auto": float16 where the weights are kept quantized (as llama.cpp keeps its cache), else the
     # working dtype
     kv_cache_dtype: str = "auto"
+    # A second tier of the prefix cache: full blocks are written here and read back, across restarts.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_size: str | int = "10GiB"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        parse_bytes(self.prefix_cache_disk_size, "prefix_cache_disk_size")
+        if self.prefix_cache_dir is not None:
+            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
+                raise ValueError(f"prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("prefix_cache_dir needs enable_prefix_caching: the disk tier is the prefix cache's")
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
@@ -93,6 +102,10 @@ class CacheConfig:
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def prefix_cache_disk_bytes(self) -> int:
+        return parse_bytes(self.prefix_cache_disk_size, "prefix_cache_disk_size")
 
 
 @dataclass(frozen=True)

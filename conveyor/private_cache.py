@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 
@@ -66,15 +67,18 @@ def read_private_file(path: Path, max_bytes: int) -> bytes | None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all for any reader, whoever else writes it (raises OSError)."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def write_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
+    """`data` at `path`, whole or not at all for any reader, whoever else writes it (raises OSError).
+    With `fsync`, on the disk before it is renamed into place, so a crash leaves no torn file either."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(partial, path)

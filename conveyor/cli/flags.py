@@ -82,6 +82,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "them)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="the same as --no-enable-prefix-caching")
+    group.add_argument("--prefix-cache-dir", default=None,
+                       help="a folder (only this user may write it) where full KV blocks are kept and found again "
+                            "by later prompts, after a restart too; servers of the same user may share it "
+                            "(default: memory only)")
+    group.add_argument("--prefix-cache-disk-size", default=CacheConfig.prefix_cache_disk_size,
+                       help="most bytes of KV blocks in --prefix-cache-dir, e.g. 20G; the least recently used go "
+                            f"first (default {CacheConfig.prefix_cache_disk_size})")
     group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                        help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
                             "request, verified by the model in the same step (outputs unchanged; default: off)")
@@ -157,6 +164,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_cache_dir": args.prefix_cache_dir, "prefix_cache_disk_size": args.prefix_cache_disk_size,
         "kv_cache_dtype": DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         **speculative_options(args),
         "tenant_weights": tenant_weights(args.tenant_weight),

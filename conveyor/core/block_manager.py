@@ -26,6 +26,11 @@ class BlockManager:
     - a block with ref_count 0 is in the free queue exactly once; a block in use is not in it;
     - a hashed block holds the KV of exactly the prefix its hash names and is never written again;
       it stays findable after it is freed, until it is evicted by reuse (least recently freed first).
+
+    A second tier (a disk store the runtime owns) sees the cache through two doors: with
+    `track_new_blocks`, each block hashed for the first time is listed for `take_new_blocks`, so its
+    KV can be copied out before anything reuses it; and `adopt` takes a free block for KV read back
+    from that tier, publishing it under its hash as a freed cached block would be.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
@@ -40,6 +45,10 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.num_query_tokens = 0     # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0       # of which found
+        self.track_new_blocks = False
+        self.new_blocks: list[tuple[bytes, int]] = []   # (hash, block id) hashed since take_new_blocks
+        self.adopted_ids: set[int] = set()   # read back from the second tier, not yet a first admission's hit
+        self.num_adopted_hit_tokens = 0      # of num_hit_tokens, those adopted blocks gave
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,9 +90,14 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int, cached_block_ids: Sequence[int] = ()) -> None:
+        """Count a first admission's lookup; the adopted blocks among its hits count as the second tier's."""
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+        for block_id in cached_block_ids:
+            if block_id in self.adopted_ids:
+                self.adopted_ids.discard(block_id)
+                self.num_adopted_hit_tokens += self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are full and computed, so later requests can share them."""
@@ -100,6 +114,34 @@ class BlockManager:
                 continue  # computed twice concurrently; the first copy stays the shared one
             self.block_hashes[block_id] = block_hash
             self.cached[block_hash] = block_id
+            if self.track_new_blocks:
+                self.new_blocks.append((block_hash, block_id))
+
+    def take_new_blocks(self) -> list[tuple[bytes, int]]:
+        """The (hash, block id) pairs hashed since the last call; their KV is intact until a later
+        `allocate` reuses them."""
+        taken, self.new_blocks = self.new_blocks, []
+        return taken
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Move the free ones among `block_ids` to the back of the free queue: evicted last."""
+        for block_id in block_ids:
+            if block_id in self.free_queue:
+                self.free_queue.move_to_end(block_id)
+
+    def adopt(self, block_hash: bytes) -> int | None:
+        """A free block to hold the KV of `block_hash`, read back from the second tier: the least
+        recently freed block is evicted for it, and it joins the cache as the most recently freed.
+        The caller writes its KV before the next step. None when no block is free or the hash is cached."""
+        if not self.enable_prefix_caching or not self.free_queue or block_hash in self.cached:
+            return None
+        block_id = next(iter(self.free_queue))
+        self._evict(block_id)
+        self.free_queue.move_to_end(block_id)
+        self.block_hashes[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        self.adopted_ids.add(block_id)
+        return block_id
 
     # ------------------------------------------------------------ allocation
 
@@ -166,6 +208,7 @@ class BlockManager:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
+        self.adopted_ids.discard(block_id)
 
     def check_integrity(self, requests: Sequence[Request] = ()) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (for tests and debugging)."""

@@ -170,7 +170,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 self.shares.charge(request.tenant, prompt_tokens=request.num_prompt_tokens - num_cached)
                 if self.blocks.enable_prefix_caching:
-                    self.blocks.record_lookup(request.num_tokens, num_cached)
+                    self.blocks.record_lookup(request.num_tokens, num_cached, cached_ids)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             rows.append(self._row(request, num_new))
             budget -= num_new

@@ -68,6 +68,7 @@ class AsyncEngine:
         self._owed: set[str] = set()
         self.last_progress_s = clock()
         self.stall_reason: str | None = None
+        self.last_prompt_token_ids: list[int] | None = None   # what llama.cpp's /slots save names
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -156,6 +157,7 @@ class AsyncEngine:
         self._owed.update(request.request_id for request in core_requests)
         self._num_in_transit += len(core_requests)
         self.client.send(AddRequests(core_requests))
+        self.last_prompt_token_ids = list(prompts[-1])
         return queues
 
     def _check_accepting(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,13 +36,14 @@ from conveyor.engine.messages import (
     TokenDelta,
     WatchBatch,
 )
-from conveyor.engine.stats import EngineStats, StepStats
+from conveyor.engine.stats import DiskTierCounts, DraftTally, EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.engine.thinking_budget import ThinkingBudgets
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.engine.runtime_builder import Runtime, build_runtime
 from conveyor.model.llama import LlamaModel
+from conveyor.runtime.prefix_tier import build_disk_tier
 from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
 
@@ -55,25 +56,6 @@ _IDLE_COMPILE_WAIT_S = 0.01
 class _Live:
     request: Request
     generator: torch.Generator | None
-
-
-@dataclass(slots=True)
-class _DraftTally:
-    """One step's speculative decoding counts, for its StepStats."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        if num_draft_tokens:
-            self.num_drafts += 1
-            self.num_draft_tokens += num_draft_tokens
-            self.num_accepted_tokens += num_accepted_tokens
-            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
-            for i in range(num_accepted_tokens):
-                self.accepted_per_position[i] += 1
 
 
 class EngineCore:
@@ -92,6 +74,9 @@ class EngineCore:
         self.max_model_len = runtime.max_model_len
         num_threads, num_blocks, cache_cfg = runtime.num_threads, runtime.kv_cache.num_blocks, config.cache
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.disk_tier = build_disk_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
+                                         dtype=self.dtype, quantization=self.quantization, device=self.device,
+                                         kernel_features=getattr(self.kernel_library, "features", None))
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
@@ -114,7 +99,8 @@ class EngineCore:
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
-                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path))
+                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
+                             prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "")
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         sched = config.scheduler
@@ -155,10 +141,15 @@ class EngineCore:
             self.structured.submit(request.request_id, params.structured_outputs)
             self._compiling[request.request_id] = request
         else:
-            self.scheduler.add(request)   # first: a refused request leaves no state behind
+            self._schedule(request)   # first: a refused request leaves no state behind
         self._live[request.request_id] = _Live(request, generator)
         if params.thinking_budget is not None:   # after the adds that may refuse it: nothing left behind
             self.budgets.add(request.request_id, params.thinking_budget)
+
+    def _schedule(self, request: Request) -> None:
+        """To the scheduler; first held while the disk tier reads its prompt's blocks back, if it has them."""
+        if self.disk_tier is None or not self.disk_tier.hold(request):
+            self.scheduler.add(request)
 
     def _schedule_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler; a failed compile ends its request."""
@@ -169,7 +160,7 @@ class EngineCore:
             try:
                 if error is not None:
                     raise ConveyorError(f"the structured output grammar could not be compiled: {error}")
-                self.scheduler.add(request)
+                self._schedule(request)
             except ConveyorError as exc:
                 delta = self._end(request_id, FinishReason.ERROR, error=str(exc))
                 if delta is not None:
@@ -195,7 +186,8 @@ class EngineCore:
         live = self._live.pop(request_id, None)
         self.structured.drop(request_id)
         self.budgets.drop(request_id)
-        if self._compiling.pop(request_id, None) is None:
+        is_held = self.disk_tier is not None and self.disk_tier.drop(request_id)
+        if self._compiling.pop(request_id, None) is None and not is_held:
             self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
             return None
@@ -203,7 +195,10 @@ class EngineCore:
                           metrics=self._metrics(live.request))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self._compiling) or self._num_held() > 0
+
+    def _num_held(self) -> int:
+        return len(self.disk_tier.held) if self.disk_tier is not None else 0
 
     def handle(self, command: CoreCommand) -> None:
         """Apply one command from the front. A refused add is reported in the next StepOutputs."""
@@ -229,8 +224,10 @@ class EngineCore:
             self.snapshots.watch(command.interval_s)
 
     def close(self) -> None:
-        """Stop what the core started beside itself (tensor-parallel workers)."""
+        """Stop what the core started beside itself (tensor-parallel workers, the disk tier's writer)."""
         self.runner.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
 
     def has_news(self) -> bool:
         """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
@@ -252,7 +249,8 @@ class EngineCore:
             return self._outputs(deltas, None)
 
     def load(self) -> CoreLoad:
-        return CoreLoad(self.scheduler.num_running, self.scheduler.num_waiting + len(self._compiling),
+        num_waiting = self.scheduler.num_waiting + len(self._compiling) + self._num_held()
+        return CoreLoad(self.scheduler.num_running, num_waiting,
                         self.blocks.num_used_blocks,
                         self.blocks.usage)
 
@@ -265,11 +263,16 @@ class EngineCore:
         deltas, self._pending = self._pending, []
         started = self.clock()
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
+        if self._num_held():
+            for request in self.disk_tier.take_ready():
+                self.scheduler.add(request)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            self.structured.wait(_IDLE_COMPILE_WAIT_S)   # only grammars in flight: no busy spin
+            self.structured.wait(_IDLE_COMPILE_WAIT_S)   # only grammars or disk reads in flight: no busy spin
+            if self._num_held():
+                self.disk_tier.wait(_IDLE_COMPILE_WAIT_S)
             return self._outputs(deltas, None)
-        drafts = _DraftTally()
+        drafts = DraftTally()
         try:
             deltas += self._run(plan, drafts)
             failed = False
@@ -279,6 +282,8 @@ class EngineCore:
             logger.exception("step failed; failing its %d requests", len(plan.rows))
             deltas += self._fail(plan, f"internal error while running the model: {exc}")
             failed = True
+        if self.disk_tier is not None:
+            self.disk_tier.save_new_blocks()
         step = StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
@@ -295,6 +300,7 @@ class EngineCore:
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,
             accepted_per_position=tuple(drafts.accepted_per_position),
+            disk=DiskTierCounts(*self.disk_tier.take_counts()) if self.disk_tier is not None else None,
         )
         self.stats.record(step)
         self.last_step = step
@@ -313,7 +319,7 @@ class EngineCore:
                                              self._compiling.values())
         return outputs
 
-    def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
+    def _run(self, plan: StepPlan, drafts: DraftTally) -> list[TokenDelta]:
         logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
         masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows

@@ -90,6 +90,7 @@ class CoreInfo:
     dtype: str = "float32"           # the working dtype the core chose
     enable_prefix_caching: bool = True
     model_path: str = ""             # resolved: the front's grammar cache is keyed on it, as the core's is
+    prefix_cache_folder: str = ""    # the disk tier's folder for this model ("" without one): named prompts
 
 
 @dataclass(slots=True)

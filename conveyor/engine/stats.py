@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierCounts:
+    """The disk tier's counters: one step's, or totals."""
+
+    num_query_tokens: int = 0    # prompt tokens past the memory hits looked up on disk
+    num_hit_tokens: int = 0      # tokens read back from disk and then used by a request
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def __add__(self, other: DiskTierCounts) -> DiskTierCounts:
+        return DiskTierCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+
+@dataclass(slots=True)
+class DraftTally:
+    """One step's speculative decoding counts, for its StepStats."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_tokens += num_accepted_tokens
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+            for i in range(num_accepted_tokens):
+                self.accepted_per_position[i] += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +55,11 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()   # [i]: drafts whose (i+1)-th guess held
+    disk: DiskTierCounts | None = None            # the prefix cache's disk tier, where there is one
+
+    @property
+    def num_prefix_memory_hit_tokens(self) -> int:
+        return self.num_prefix_hit_tokens - (self.disk.num_hit_tokens if self.disk is not None else 0)
 
     @property
     def is_decode(self) -> bool:
@@ -48,6 +86,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: drafts whose (i+1)-th guess held
+    disk: DiskTierCounts = field(default_factory=DiskTierCounts)
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -64,6 +103,8 @@ class EngineStats:
         self.num_drafts += step.num_drafts
         self.num_draft_tokens += step.num_draft_tokens
         self.num_accepted_tokens += step.num_accepted_tokens
+        if step.disk is not None:
+            self.disk += step.disk
         for i, count in enumerate(step.accepted_per_position):
             if i == len(self.accepted_per_position):
                 self.accepted_per_position.append(0)

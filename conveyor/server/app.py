@@ -40,6 +40,7 @@ from conveyor.server.responses import (
     ModelCard,
     ModelList,
 )
+from conveyor.server.slots import add_slot_routes
 from conveyor.server.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -81,7 +82,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     """The app serves `model_name` as `server` says (its host, port and connection timeouts are
     uvicorn's); its lifespan starts the core client and stops it at the end.
 
-    The API key guards /v1/*, /tokenize, /detokenize and the live view's stream (and /metrics with
+    The API key guards /v1/*, /tokenize, /detokenize, /slots/* and the live view's stream (and /metrics with
     `protect_metrics`); /health stays open. `enable_docs` False removes /openapi.json and /docs;
     `enable_dashboard` False removes the live view (/ and /dashboard*).
     """
@@ -192,6 +193,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
     async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids (special tokens included)."""
         return await detokenize(serving, body)
+
+    add_slot_routes(app, async_engine, _ERRORS)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> Any:

@@ -60,6 +60,8 @@ VLLM_METRIC_NAMES = (
     "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total",
@@ -71,6 +73,8 @@ CONVEYOR_METRIC_NAMES = (
     "conveyor:avg_sequences_per_step",
     "conveyor:step_time_seconds",
     "conveyor:batch_config_info",
+    "conveyor:prefix_cache_disk_read_bytes_total",
+    "conveyor:prefix_cache_disk_written_bytes_total",
 )
 METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
 
@@ -173,7 +177,15 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens_total", "Output tokens generated.")
         self.prefix_queries = counter("vllm:prefix_cache_queries_total",
                                       "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache in memory.")
+        # The disk tier (--prefix-cache-dir) stands where vLLM's KV connectors do: "external".
+        self.disk_queries = counter("vllm:external_prefix_cache_queries_total",
+                                    "Prompt tokens past the memory hits looked up in the prefix cache on disk.")
+        self.disk_hits = counter("vllm:external_prefix_cache_hits_total",
+                                 "Prompt tokens read back from the prefix cache on disk and used.")
+        self.disk_read = counter("conveyor:prefix_cache_disk_read_bytes_total", "Bytes of KV blocks read from disk.")
+        self.disk_written = counter("conveyor:prefix_cache_disk_written_bytes_total",
+                                    "Bytes of KV blocks written to disk (counted with the next engine step).")
         self.drafts = counter("vllm:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
@@ -273,8 +285,13 @@ class ServerMetrics:
             self.preemptions.inc(step.num_preemptions)
         if step.num_prefix_query_tokens:
             self.prefix_queries.inc(step.num_prefix_query_tokens)
-        if step.num_prefix_hit_tokens:
-            self.prefix_hits.inc(step.num_prefix_hit_tokens)
+        if step.num_prefix_memory_hit_tokens:
+            self.prefix_hits.inc(step.num_prefix_memory_hit_tokens)
+        if step.disk is not None:
+            for metric, value in ((self.disk_queries, step.disk.num_query_tokens), (self.disk_hits,
+                                  step.disk.num_hit_tokens), (self.disk_read, step.disk.bytes_read),
+                                  (self.disk_written, step.disk.bytes_written)):
+                metric.inc(value)
         if step.num_drafts:
             self.drafts.inc(step.num_drafts)
             self.draft_tokens.inc(step.num_draft_tokens)

@@ -68,7 +68,7 @@ class RequestGuard:
         self.max_concurrency = server.max_concurrency
         self.num_in_progress = 0
         self.expected_auth = f"Bearer {server.api_key}".encode() if server.api_key is not None else None
-        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
+        keyed = ("/v1/", "/tokenize", "/detokenize", "/slots/", EVENTS_PATH)
         self.protected_paths = (*keyed, "/metrics") if server.protect_metrics else keyed
         self.max_body_bytes = server.max_body_bytes
         self.body_timeout_s = server.body_timeout_s

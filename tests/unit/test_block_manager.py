@@ -297,3 +297,51 @@ def test_reset_prefix_cache_drops_only_unreferenced_blocks() -> None:
     assert list(blocks.cached.values()) == [b.block_table[0]]
     assert blocks.find_cached_blocks(make_request("a2", prompt=[1] * 4 + [0])) == []
     audit_blocks(blocks, [b])
+
+
+# ------------------------------------------------------------ a second tier's doors
+
+def test_new_blocks_are_listed_once_for_a_second_tier() -> None:
+    blocks = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    blocks.track_new_blocks = True
+    a = computed(make_request("a", prompt_len=9), blocks)
+    assert blocks.take_new_blocks() == [(a.block_hashes[0], a.block_table[0]), (a.block_hashes[1], a.block_table[1])]
+    computed(make_request("b", prompt_len=9), blocks)   # the same prompt: shared, nothing new
+    assert blocks.take_new_blocks() == []
+
+
+def test_adopted_blocks_are_found_and_counted_as_disk_hits() -> None:
+    blocks = BlockManager(num_blocks=6, block_size=BS, enable_prefix_caching=True)
+    a = computed(make_request("a", prompt_len=9), blocks)   # caches 2 blocks of 3
+    blocks.free(a)
+    b = make_request("b", prompt=[*a.prompt_token_ids[:8], 7, 8, 9, 10, 11])
+    blocks.update_hashes(b)
+    held = blocks.find_cached_blocks(b)
+    blocks.touch(held)
+    adopted = blocks.adopt(b.block_hashes[2])    # as if read back from disk
+    assert adopted is not None and adopted not in held
+    assert blocks.adopt(b.block_hashes[2]) is None   # already cached
+    assert list(blocks.free_queue)[-3:] == [*held, adopted]   # evicted last
+    cached = admit(b, blocks)
+    assert cached == [*held, adopted] and blocks.num_adopted_hit_tokens == 0
+    blocks.record_lookup(b.num_tokens, len(cached) * BS, cached)   # a first admission's hits
+    assert blocks.num_hit_tokens == 3 * BS and blocks.num_adopted_hit_tokens == BS
+    blocks.record_lookup(b.num_tokens, len(cached) * BS, cached)   # counted once
+    assert blocks.num_adopted_hit_tokens == BS
+    audit_blocks(blocks, [b])
+
+
+def test_adopt_takes_the_least_recently_freed_block() -> None:
+    blocks = BlockManager(num_blocks=3, block_size=BS, enable_prefix_caching=True)
+    a = computed(make_request("a", prompt_len=8), blocks)    # 2 cached blocks
+    table, hashes = list(a.block_table), list(a.block_hashes)
+    c = make_request("c", prompt_len=4)
+    blocks.allocate(c, 4)
+    assert blocks.adopt(b"h" * 32) is None          # nothing free
+    blocks.free(a)                                   # the tail block first in the queue
+    block_id = blocks.adopt(b"h" * 32)
+    assert block_id == table[1] and blocks.cached[b"h" * 32] == block_id
+    assert hashes[1] not in blocks.cached and blocks.cached[hashes[0]] == table[0]
+    assert list(blocks.free_queue) == [table[0], block_id]
+    audit_blocks(blocks, [c])
+    assert BlockManager(2, BS).adopt(b"h" * 32) is None   # no prefix cache, no second tier

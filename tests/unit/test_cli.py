@@ -43,6 +43,20 @@ def test_prefix_caching_and_dtype_spellings() -> None:
     assert engine_options(parse_args(["serve", "--chat-template", "t.jinja"]))["chat_template"] == "t.jinja"
 
 
+def test_prefix_cache_dir_flags() -> None:
+    from conveyor.config import EngineConfig
+
+    config = EngineConfig.from_options(**engine_options(parse_args(
+        ["serve", "--prefix-cache-dir", "/tmp/kv", "--prefix-cache-disk-size", "20G"])))
+    assert config.cache.prefix_cache_dir == "/tmp/kv" and config.cache.prefix_cache_disk_bytes == 20 * 10**9
+    assert EngineConfig.from_options(**engine_options(parse_args(["serve"]))).cache.prefix_cache_dir is None
+    with pytest.raises(ValueError, match="prefix_cache_dir needs enable_prefix_caching"):
+        EngineConfig.from_options(**engine_options(parse_args(
+            ["serve", "--prefix-cache-dir", "/tmp/kv", "--no-prefix-caching"])))
+    with pytest.raises(ValueError, match="prefix_cache_disk_size"):
+        EngineConfig.from_options(prefix_cache_dir="/tmp/kv", prefix_cache_disk_size="lots")
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         parse_args(["--version"])

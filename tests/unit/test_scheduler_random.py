@@ -65,6 +65,7 @@ class Harness:
     finished_since_plan: list[str] = field(default_factory=list)
     reported_finished: list[str] = field(default_factory=list)
     kv: dict[int, int] = field(default_factory=dict)              # slot -> token written there
+    disk: dict[bytes, list[int]] | None = None                     # a second tier: block hash -> its tokens' KV
 
     # ------------------------------------------------------------ operations
 
@@ -100,6 +101,19 @@ class Harness:
         self.added.append(request)
         self.outputs[request.request_id] = []
 
+    def restore(self, request: Request) -> None:
+        """What the disk tier does for a waiting request: its blocks past the memory hits, read back."""
+        blocks, size = self.blocks, self.blocks.block_size
+        in_memory = blocks.find_cached_blocks(request)
+        blocks.touch(in_memory)
+        room = blocks.num_free_blocks - sum(1 for b in in_memory if blocks.ref_counts[b] == 0)
+        for block_hash in request.block_hashes[len(in_memory):(request.num_tokens - 1) // size][:room]:
+            block_id = blocks.adopt(block_hash) if block_hash in self.disk else None
+            if block_id is None:
+                break
+            for j, token in enumerate(self.disk[block_hash]):
+                self.kv[block_id * size + j] = token
+
     def pick(self, index: int) -> str:
         ids = [r.request_id for r in self.added] + ["unknown"]
         return ids[index % len(ids)]
@@ -123,6 +137,8 @@ class Harness:
         rng = random.Random(seed)
         had_work = self.sched.has_unfinished()
         ready = [r.request_id for r in self.sched.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in self.sched.waiting if self.disk is not None else ():
+            self.restore(request)
         plan = self.sched.schedule()
         self.check_plan(plan, had_work)
         # Decodes come first: each one runs unless it lost its blocks or the step's tokens ran out.
@@ -135,6 +151,10 @@ class Harness:
         live_before = set(self.sched.requests)
         sampled = [self.sample(rng) for _ in plan.sampling_ids]
         result = self.sched.update(plan, [[t] for t in sampled])
+        if self.disk is not None:   # the disk tier copies each newly cached block out
+            size = self.blocks.block_size
+            for block_hash, block_id in self.blocks.take_new_blocks():
+                self.disk[block_hash] = [self.kv[block_id * size + j] for j in range(size)]
         fed = dict(zip(plan.sampling_ids, sampled))
         for request_id, token in fed.items():
             if request_id in live_before:
@@ -234,7 +254,7 @@ class Harness:
         assert sched.num_preemptions == sum(r.num_preemptions for r in self.added)
 
 
-def run(config: dict, operations: list[tuple]) -> Harness:
+def run(config: dict, operations: list[tuple], second_tier: bool = False) -> Harness:
     blocks = BlockManager(config["num_blocks"], config["block_size"], config["enable_prefix_caching"])
     scheduler_config = SchedulerConfig(max_num_seqs=config["max_num_seqs"],
                                        max_num_batched_tokens=config["max_num_batched_tokens"],
@@ -244,6 +264,8 @@ def run(config: dict, operations: list[tuple]) -> Harness:
                                        max_priority_preemptions=config.get("max_priority_preemptions", 3))
     cost_model = StepCostModel(prior=COST) if config.get("target_itl_ms") else None
     harness = Harness(Scheduler(scheduler_config, blocks, config["max_model_len"], FakeClock(), cost_model), blocks)
+    if second_tier:
+        blocks.track_new_blocks, harness.disk = True, {}
     for index, op in enumerate(operations):
         kind, *args = op
         if kind == "add":
@@ -284,6 +306,15 @@ def test_random_operations_keep_the_books_balanced(config: dict, operations: lis
 def test_random_shared_prefixes_with_prefix_caching(config: dict, operations: list[tuple]) -> None:
     harness = run(config, operations)
     assert harness.blocks.num_query_tokens >= harness.blocks.num_hit_tokens >= 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_busy_random_workloads_with_a_second_tier(seed: int) -> None:
+    """Blocks read back from a second tier before each step hold the tokens their hash names."""
+    config, operations = busy_workload(seed)
+    harness = run({**config, "enable_prefix_caching": True}, operations, second_tier=True)
+    assert harness.blocks.num_adopted_hit_tokens <= harness.blocks.num_hit_tokens
 
 
 def busy_workload(seed: int) -> tuple[dict, list[tuple]]:
