@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.grammar_gate import GrammarGate
+from conveyor.server.logprob_format import LogprobFormatter
 from conveyor.server.off_loop import (
     THREAD_TOKENIZE_CHARS,
     encode_all,
@@ -41,18 +42,14 @@ from conveyor.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionResponse,
     FunctionCallDelta,
     FunctionCallOut,
     ToolCallDelta,
     ToolCallOut,
-    TopLogprob,
     UsageInfo,
 )
 from conveyor.server.chat_tools import template_input
@@ -91,10 +88,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_prompt_chars = max_prompt_chars or engine.info.max_model_len * self.tokenizer.max_token_chars
-        # Token strings for logprobs; an LRU since the same tokens come back all the time.
-        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
-        self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(self.tokenizer.token_bytes)
+        self.logprobs = LogprobFormatter(self.tokenizer)
 
     # ------------------------------------------------------------ shared
 
@@ -205,7 +199,7 @@ class OpenAIServing:
         return await respond_off_loop(lambda: CompletionResponse(
             id=group.group_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
-                                      logprobs=self._completion_logprobs(c.logprobs, 0)
+                                      logprobs=self.logprobs.completion_logprobs(c.logprobs, 0)
                                       if params.logprobs is not None else None)
                      for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
@@ -221,7 +215,7 @@ class OpenAIServing:
                 choice.num_tokens += len(output.new_token_ids)
                 if not (output.new_text or output.finished or (want_logprobs and output.new_logprobs)):
                     continue  # text held back (a possible stop string, a split character)
-                logprobs = (self._completion_logprobs(output.new_logprobs, choice.num_chars)
+                logprobs = (self.logprobs.completion_logprobs(output.new_logprobs, choice.num_chars)
                             if want_logprobs else None)
                 choice.num_chars += len(output.new_text)
                 chunk = CompletionChunk(
@@ -238,31 +232,6 @@ class OpenAIServing:
             yield sse(CompletionChunk(id=group.group_id, created=created, model=self.model_name, choices=[],
                                       usage=usage).model_dump_json())
         yield DONE_EVENT
-
-    def _completion_token(self, token_id: int) -> str:
-        """The token as completions' logprobs name it: its text, or, for a token that is not whole UTF-8
-        characters, "bytes:" and its bytes escaped, as OpenAI writes them (so such tokens stay apart)."""
-        text = self.token_text(token_id)
-        if "\ufffd" in text:
-            raw = self.token_bytes(token_id)
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return text
-
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for entry in logprobs:
-            token = self._completion_token(entry.token_id)
-            top = {self._completion_token(token_id): logprob for token_id, logprob in entry.top}
-            top.setdefault(token, entry.logprob)
-            result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(self.token_text(entry.token_id))
-        return result
 
     # ------------------------------------------------------------ /v1/chat/completions
 
@@ -310,7 +279,7 @@ class OpenAIServing:
         message = AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None)
         return ChatChoice(index=index, message=message,
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
-                          logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
+                          logprobs=self.logprobs.chat_logprobs(choice.logprobs) if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                            body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -342,7 +311,7 @@ class OpenAIServing:
                 yield chunk([ChatStreamChoice(
                     index=index, delta=ChatDelta(content=text if text or not calls else None,
                                                  tool_calls=_tool_call_deltas(calls, first) or None),
-                    logprobs=self._chat_logprobs(output.new_logprobs) if body.logprobs else None,
+                    logprobs=self.logprobs.chat_logprobs(output.new_logprobs) if body.logprobs else None,
                     finish_reason=finish)])
         except ConveyorError as exc:
             yield error_event(exc)
@@ -351,19 +320,6 @@ class OpenAIServing:
         if body.include_usage:
             yield chunk([], self._usage(prompts, num_tokens))
         yield DONE_EVENT
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            # bytes are the token's own, also where its text is U+FFFD (a part of a UTF-8 character)
-            return TopLogprob(token=self.token_text(token_id), logprob=logprob,
-                              bytes=list(self.token_bytes(token_id)))
-
-        content = []
-        for entry in logprobs:
-            sampled = top(entry.token_id, entry.logprob)
-            content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
-                                            top_logprobs=[top(i, lp) for i, lp in entry.top]))
-        return ChatLogprobs(content=content)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
