@@ -75,6 +75,19 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_index)
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt is to be scored (prompt logprobs) and is not yet: it takes no prefix cache hits,
+        since a cached block's tokens are never computed."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
+
+    def num_prompt_logits(self, start: int, end: int) -> int:
+        """Of the positions [start, end) computed in a step, how many lead to a prompt token to score:
+        position p's logits give prompt token p + 1's logprob (the last prompt token's are sampled)."""
+        if not self.wants_prompt_logits:
+            return 0
+        return max(0, min(end, self.num_prompt_tokens - 1) - start)
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -9,10 +9,9 @@ covers chunked prefill, decode and resume.
     [r0 r1 ... rk]  --decode/chunk-->  step  <--admit while budgets and blocks allow-- [w0 w1 ...]
          ^  preempt the last running when blocks run out: it returns to waiting, tokens kept
 
-Within a priority level, new requests are admitted in turns between tenants (fairness.py), FCFS
-within a tenant. A waiting request with a better priority than a running one takes its place when
-the batch or the KV cache is full: the running one is preempted (tokens kept), at most
-max_priority_preemptions times.
+Within a priority level, new requests are admitted in turns between tenants (fairness.py), FCFS within
+a tenant. A waiting request with a better priority than a running one takes its place when the batch
+or the KV cache is full: the running one is preempted (tokens kept), at most max_priority_preemptions times.
 
 A step takes every decode first, then chunks of prompts already started, then new prompts, so a
 long prompt never holds back a stream. With a cost model and a target inter-token latency, the
@@ -358,6 +357,7 @@ class Scheduler:
             is_sampling=end == request.num_tokens,
             # Decoding = feeding the one newest sampled token; a resumed request's recompute is prefill.
             is_prefill=not (start == request.num_tokens - 1 and start >= request.num_prompt_tokens),
+            num_prompt_logits=request.num_prompt_logits(start, end),
         )
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:

@@ -36,6 +36,7 @@ from conveyor.engine.messages import (
     TokenDelta,
     WatchBatch,
 )
+from conveyor.engine.prompt_scoring import PromptScores
 from conveyor.engine.stats import EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
@@ -100,6 +101,7 @@ class EngineCore:
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(grammar_compiler(self.model_path, self.model.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
+        self.prompt_scores = PromptScores()
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self._live: dict[str, _Live] = {}
@@ -189,6 +191,7 @@ class EngineCore:
         its sampling state. Returns its last delta; None for a request the core does not hold."""
         live = self._live.pop(request_id, None)
         self.structured.drop(request_id)
+        self.prompt_scores.drop(request_id)
         if self._compiling.pop(request_id, None) is None:
             self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
@@ -310,6 +313,11 @@ class EngineCore:
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
         logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
+        num_sampled = sum(row.num_logits for row in rows)
+        if logits.shape[0] > num_sampled:   # the positions that score prompts follow the sampling rows'
+            self.prompt_scores.add(logits[num_sampled:], plan.rows, {r.request_id: self._live[r.request_id].request
+                                                                     for r in plan.rows if r.num_prompt_logits})
+            logits = logits[:num_sampled]
         masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows
                                             if self.structured.is_constrained(row.request_id)])
         sampled = sample_rows(self.sampler, logits, rows, {r.request_id: self._live[r.request_id].request for r in rows},
@@ -339,7 +347,8 @@ class EngineCore:
                 self.scheduler.finish(update.request_id, FinishReason.STOP)
             entries = logprobs[update.request_id][:len(new_token_ids)]
             delta = TokenDelta(update.request_id, new_token_ids,
-                               entries if all(e is not None for e in entries) else [])
+                               entries if all(e is not None for e in entries) else [],
+                               prompt_logprobs=self.prompt_scores.take(live.request))
             if update.finish_reason is not None:
                 del self._live[update.request_id]
                 self.structured.drop(update.request_id)

@@ -18,7 +18,7 @@ from conveyor.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from conveyor.engine.stats import StepStats
     from conveyor.errors import ConveyorError
-    from conveyor.logprobs import TokenLogprobs
+    from conveyor.logprobs import PromptLogprob, TokenLogprobs
 
 
 # ------------------------------------------------------------------ front -> core
@@ -131,6 +131,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -176,3 +177,4 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None      # set when finished, when the core's figures are at hand
     prompt_token_ids: list[int] | None = None  # set when finished
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with the first output, when asked for

@@ -39,9 +39,10 @@ class LogprobFormatter:
 
     def completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int, as_ids: bool = False,
                             prompt: list[PromptLogprob | None] | None = None,
-                            prompt_token_ids: list[int] | None = None) -> CompletionLogprobs:
-        """Completions' logprobs; with `prompt` (echo), the prompt's tokens come first, the first with null
-        logprobs as OpenAI writes it, and `text_offset` counts from the prompt's start."""
+                            prompt_token_ids: list[int] | None = None, num_top: int = 0) -> CompletionLogprobs:
+        """Completions' logprobs; with `prompt` (echo), the prompt's tokens come first (with their top
+        `num_top`), the first with null logprobs as OpenAI writes it, and `text_offset` counts from the
+        prompt's start."""
         result = CompletionLogprobs()
         for token_id, entry in zip(prompt_token_ids or [], prompt or []):
             token = self.completion_token(token_id, as_ids)
@@ -52,7 +53,7 @@ class LogprobFormatter:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            top = {self.completion_token(i, as_ids): lp for i, lp in entry.top}
+            top = {self.completion_token(i, as_ids): lp for i, lp in entry.top[:num_top]}
             top.setdefault(token, entry.logprob)
             result.token_logprobs.append(entry.logprob)
             result.top_logprobs.append(top)
@@ -81,7 +82,7 @@ class LogprobFormatter:
         return ChatLogprobs(content=content)
 
     def prompt_logprobs(self, prompt_token_ids: list[int], entries: list[PromptLogprob | None],
-                        as_ids: bool = False) -> PromptLogprobsOut:
+                        as_ids: bool = False, num_top: int = 0) -> PromptLogprobsOut:
         """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob, rank,
         decoded_token}} for the prompt's own token and the top N."""
         out: PromptLogprobsOut = []
@@ -89,7 +90,7 @@ class LogprobFormatter:
             if entry is None:
                 out.append(None)
                 continue
-            ranked = {i: (lp, rank) for rank, (i, lp) in enumerate(entry.top, start=1)}
+            ranked = {i: (lp, rank) for rank, (i, lp) in enumerate(entry.top[:num_top], start=1)}
             ranked.setdefault(token_id, (entry.logprob, entry.rank))
             out.append({str(i): PromptTokenLogprob(logprob=lp, rank=rank,
                                                    decoded_token=f"token_id:{i}" if as_ids else self.token_text(i))

@@ -13,28 +13,27 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.config import GrammarLimits
+from conveyor.engine.admission import truncate_prompt
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
-from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
 from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.logprob_format import LogprobFormatter
 from conveyor.server.off_loop import (
     THREAD_TOKENIZE_CHARS,
-    encode_all,
     encode_large,
     render_off_loop,
     respond_off_loop,
 )
-from conveyor.server.request_limits import check_choice_count, check_logprobs_budget, tenant_of
+from conveyor.server.request_limits import check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -43,9 +42,6 @@ from conveyor.server.responses import (
     ChatCompletionResponse,
     ChatDelta,
     ChatStreamChoice,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionResponse,
     FunctionCallDelta,
     FunctionCallOut,
     ToolCallDelta,
@@ -66,18 +62,6 @@ from conveyor.server.streaming import (
 
 logger = logging.getLogger(__name__)
 
-CLIENT_CLOSED_REQUEST = 499          # nginx's status for a client that left; nobody reads it
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One prompt's output so far."""
-
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_chars: int = 0               # text emitted so far; completions' logprob text offsets start here
 
 
 class OpenAIServing:
@@ -144,14 +128,16 @@ class OpenAIServing:
         return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
                            is_batch_request(request.scope))
 
-    async def _collect(self, request: Request, group: PromptGroup) -> list[_Choice]:
-        async def collect() -> list[_Choice]:
-            choices = [_Choice() for _ in range(group.num_prompts)]
+    async def _collect(self, request: Request, group: PromptGroup) -> list[Choice]:
+        async def collect() -> list[Choice]:
+            choices = [Choice() for _ in range(group.num_prompts)]
             async for index, output in group.outputs():
                 choice = choices[index]
                 choice.text.append(output.new_text)
                 choice.num_tokens += len(output.new_token_ids)
                 choice.logprobs.extend(output.new_logprobs)
+                if output.prompt_logprobs is not None:
+                    choice.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     choice.finish_reason = output.finish_reason
             return choices
@@ -175,63 +161,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ /v1/completions
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        tenant = tenant_of(request, body.user)
-        params = body.sampling_params()
-        if not await self.compile_grammar(params, body.constraint_field, request):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        texts = body.prompts()
-        check_choice_count(len(texts), params.n)
-        num_chars = sum(len(p) for p in texts if isinstance(p, str))
-        self.check_prompt_chars(num_chars, "prompt")
-        # Many short prompts add up: past the threshold in all, they are tokenized on one worker thread.
-        prompts = (await asyncio.to_thread(encode_all, self.tokenizer, texts) if num_chars > THREAD_TOKENIZE_CHARS
-                   else encode_all(self.tokenizer, texts))
-        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
-        group = self._start("cmpl", prompts, params, body.priority, tenant, request)
-        created = int(time.time())
-        if body.stream:
-            return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
-        try:
-            choices = await self._collect(request, group)
-        except ClientDisconnected:
-            return self._disconnected(group)
-        return await respond_off_loop(lambda: CompletionResponse(
-            id=group.group_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
-                                      logprobs=self.logprobs.completion_logprobs(c.logprobs, 0)
-                                      if params.logprobs is not None else None)
-                     for i, c in enumerate(choices)],
-            usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        ))
-
-    async def _completion_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
-                                 body: CompletionRequest) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in range(group.num_prompts)]
-        want_logprobs = body.logprobs is not None
-        try:
-            async for index, output in group.outputs():
-                choice = choices[index]
-                choice.num_tokens += len(output.new_token_ids)
-                if not (output.new_text or output.finished or (want_logprobs and output.new_logprobs)):
-                    continue  # text held back (a possible stop string, a split character)
-                logprobs = (self.logprobs.completion_logprobs(output.new_logprobs, choice.num_chars)
-                            if want_logprobs else None)
-                choice.num_chars += len(output.new_text)
-                chunk = CompletionChunk(
-                    id=group.group_id, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
-                                              finish_reason=output.finish_reason if output.finished else None)])
-                yield sse(chunk.model_dump_json())
-        except ConveyorError as exc:
-            yield error_event(exc)
-            yield DONE_EVENT
-            return
-        if body.include_usage:
-            usage = self._usage(prompts, sum(c.num_tokens for c in choices))
-            yield sse(CompletionChunk(id=group.group_id, created=created, model=self.model_name, choices=[],
-                                      usage=usage).model_dump_json())
-        yield DONE_EVENT
+        return await serve_completions(self, body, request)
 
     # ------------------------------------------------------------ /v1/chat/completions
 
@@ -244,7 +174,9 @@ class OpenAIServing:
         if not await self.compile_grammar(params, body.constraint_field, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         text = await self._render_chat(body)
-        prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
+        # The template has the BOS; vLLM's add_special_tokens asks for the tokenizer's too.
+        prompts = [truncate_prompt(await self.encode(text, add_special_tokens=bool(body.add_special_tokens)),
+                                   params, self.engine.info.max_model_len)]
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
             group = self._start("chatcmpl", prompts, params, body.priority, tenant, request)
@@ -265,9 +197,12 @@ class OpenAIServing:
             id=group.group_id, created=created, model=self.model_name,
             choices=[self._chat_choice(i, c, body) for i, c in enumerate(choices)],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
+            prompt_logprobs=None if body.prompt_logprobs is None or choices[0].prompt_logprobs is None else
+            self.logprobs.prompt_logprobs(prompts[0], choices[0].prompt_logprobs, body.return_tokens_as_token_ids,
+                                          body.prompt_logprobs),
         ))
 
-    def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest) -> ChatChoice:
+    def _chat_choice(self, index: int, choice: Choice, body: ChatCompletionRequest) -> ChatChoice:
         content: str | None = "".join(choice.text)
         calls: list[ToolCall] = []
         if body.effective_tool_choice != "none":
@@ -279,7 +214,8 @@ class OpenAIServing:
         message = AssistantMessage(content=content, tool_calls=_tool_calls_out(calls) or None)
         return ChatChoice(index=index, message=message,
                           finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
-                          logprobs=self.logprobs.chat_logprobs(choice.logprobs) if body.logprobs else None)
+                          logprobs=self.logprobs.chat_logprobs(choice.logprobs, body.return_tokens_as_token_ids)
+                          if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                            body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -311,7 +247,8 @@ class OpenAIServing:
                 yield chunk([ChatStreamChoice(
                     index=index, delta=ChatDelta(content=text if text or not calls else None,
                                                  tool_calls=_tool_call_deltas(calls, first) or None),
-                    logprobs=self.logprobs.chat_logprobs(output.new_logprobs) if body.logprobs else None,
+                    logprobs=self.logprobs.chat_logprobs(output.new_logprobs, body.return_tokens_as_token_ids)
+                    if body.logprobs else None,
                     finish_reason=finish)])
         except ConveyorError as exc:
             yield error_event(exc)

@@ -28,9 +28,11 @@ NumLogprobs = Annotated[int, ints(minimum=0, maximum=MAX_LOGPROBS)]
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
-    max_tokens: Annotated[int, ints(minimum=1)] | None = Field(16, description="default 16, as OpenAI")
+    max_tokens: Annotated[int, ints(minimum=0)] | None = Field(
+        16, description="default 16, as OpenAI; 0 only with echo (the prompt alone, scored with logprobs)")
     logprobs: NumLogprobs | None = Field(None, description="return the sampled token's logprob and the top N")
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt before the completion; with logprobs, its tokens scored too "
+                                          "(the first one's logprob is null)")
     best_of: int | None = None
     suffix: Text | None = None
 
@@ -46,11 +48,22 @@ class CompletionRequest(SamplingRequest):
         return prompt  # type: ignore[return-value]
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of)
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported with stream; send echo with logprobs",
+                                 param="prompt_logprobs")
+        # max_tokens 0 with echo: one token is run (the step that scores the prompt samples one) and dropped;
+        # without echo SamplingParams refuses it, as offline.
+        params = self._sampling_params(1 if self.drops_output else self.max_tokens, self.logprobs, self.best_of)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = max(self.logprobs, params.prompt_logprobs or 0)
+        return params
+
+    @property
+    def drops_output(self) -> bool:
+        """max_tokens 0 with echo: the answer is the prompt alone."""
+        return self.max_tokens == 0 and self.echo
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -101,6 +114,8 @@ class ChatCompletionRequest(SamplingRequest):
                 tool.function.name for tool in self.tools or []}:
             raise InvalidRequest(f"tool_choice names the function {self.tool_choice.function.name!r}, "
                                  f"which is not in tools", param="tool_choice")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported with stream", param="prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

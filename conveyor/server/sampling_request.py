@@ -16,6 +16,7 @@ from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_TEMPERATURE,
@@ -140,6 +141,21 @@ class SamplingRequest(BaseModel):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="accepted: prefix caching is automatic, by content")
+    # vLLM's extra fields
+    prompt_logprobs: Annotated[int, ints(minimum=0, maximum=MAX_LOGPROBS)] | None = Field(
+        None, description="each prompt token's logprob (the first's is null), its rank, and the top N")
+    allowed_token_ids: list[Annotated[int, ints(minimum=0)]] | None = Field(
+        None, description="only these tokens may be sampled")
+    bad_words: list[Text] | None = Field(None, description="words never written: a word's last token is refused "
+                                                           "where the output ends with the tokens before it")
+    truncate_prompt_tokens: Annotated[int, ints(minimum=-1)] | None = Field(
+        None, description="keep only the prompt's last N tokens; -1: the model length")
+    add_special_tokens: bool | None = Field(
+        None, description="add the tokenizer's special tokens (BOS) to a text prompt; default true for completions, "
+                          "false for chat (its template writes them)")
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name each token 'token_id:N'")
+    spaces_between_special_tokens: bool = Field(
+        False, description="with skip_special_tokens false, special tokens in the text set apart by spaces")
     _constraint_field: str = PrivateAttr("structured_outputs")   # set by sampling_params, for compile errors
 
     @property
@@ -235,6 +251,11 @@ class SamplingRequest(BaseModel):
             best_of=best_of,
             logit_bias=self._logit_bias(),
             structured_outputs=structured,
+            prompt_logprobs=self.prompt_logprobs,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
 
