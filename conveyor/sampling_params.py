@@ -100,6 +100,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None   # bad_words tokenized, by the front
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens (-1: the model length)
     spaces_between_special_tokens: bool = False  # shown special tokens set apart by spaces in the text
+    use_prefix_cache: bool = True         # False: the prompt is computed in full (llama.cpp's cache_prompt)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

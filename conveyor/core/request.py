@@ -77,9 +77,13 @@ class Request:
 
     @property
     def wants_prompt_logits(self) -> bool:
-        """Its prompt is to be scored (prompt logprobs) and is not yet: it takes no prefix cache hits,
-        since a cached block's tokens are never computed."""
+        """Its prompt is to be scored (prompt logprobs) and is not yet."""
         return self.params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Asked not to use cached blocks, or a prompt to score: a cached block's tokens are never computed."""
+        return not self.params.use_prefix_cache or self.wants_prompt_logits
 
     def num_prompt_logits(self, start: int, end: int) -> int:
         """Of the positions [start, end) computed in a step, how many lead to a prompt token to score:

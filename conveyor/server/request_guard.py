@@ -34,7 +34,8 @@ from conveyor.server.responses import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-MODEL_PATHS = ("/v1/completions", "/v1/chat/completions")   # the routes that take a concurrency slot
+# The routes that take a concurrency slot (llama.cpp's /completion too).
+MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/completion", "/completions")
 _THREAD_SCAN_BYTES = 256 * 1024   # bodies past this are scanned for nesting on a worker thread
 # No route reads the body of a GET (or HEAD, DELETE, OPTIONS); these need no key on /health, /docs
 # and /metrics, so their bodies are kept small, or clients without the key could hold megabytes each.
@@ -68,7 +69,7 @@ class RequestGuard:
         self.max_concurrency = server.max_concurrency
         self.num_in_progress = 0
         self.expected_auth = f"Bearer {server.api_key}".encode() if server.api_key is not None else None
-        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
+        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH, "/completion", "/props", "/slots")
         self.protected_paths = (*keyed, "/metrics") if server.protect_metrics else keyed
         self.max_body_bytes = server.max_body_bytes
         self.body_timeout_s = server.body_timeout_s
