@@ -114,7 +114,9 @@ class EngineCore:
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
-                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path))
+                             enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
+                             weights=getattr(self.model, "weight_formats", None) or self.quantization
+                             if self.quantization != "none" else str(self.dtype).removeprefix("torch."))
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         sched = config.scheduler

@@ -88,6 +88,7 @@ class CoreInfo:
     num_threads: int = 1             # torch intra-op threads the core computes with
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # in force, preset and flags applied
     dtype: str = "float32"           # the working dtype the core chose
+    weights: str = ""                # the weights' formats as they run ("Q4_K x12, Q8_0 x13", or the dtype)
     enable_prefix_caching: bool = True
     model_path: str = ""             # resolved: the front's grammar cache is keyed on it, as the core's is
 
