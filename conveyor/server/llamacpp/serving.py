@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from conveyor import __version__
 from conveyor.engine.messages import RequestMetrics, RequestOutput
@@ -24,7 +24,14 @@ from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.logprobs import TokenLogprobs
 from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Serving
 from conveyor.server.llamacpp.schemas import LlamaCompletionRequest, LlamaPrompt
-from conveyor.server.streaming import ClientDisconnected, PromptGroup, error_payload, sse, until_disconnected
+from conveyor.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    PromptGroup,
+    error_payload,
+    sse,
+    until_disconnected,
+)
 
 
 # SamplingParams' and admission's names for what llama.cpp calls otherwise.
@@ -78,7 +85,7 @@ class LlamaCppServing:
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise
         if body.stream:
-            return _EventStream(self._events(group, prompts, body), group)
+            return EventStreamResponse(self._events(group, prompts, body), group)   # no [DONE], as llama-server
         results = [_Result() for _ in prompts]
 
         async def collect() -> None:
@@ -165,20 +172,6 @@ class _Result:
         self.logprobs += output.new_logprobs
         if output.finished:
             self.finish_reason, self.stop_reason, self.metrics = output.finish_reason, output.stop_reason, output.metrics
-
-
-class _EventStream(StreamingResponse):
-    """llama-server's stream: `data:` events, no [DONE]; the group is closed however the response ends."""
-
-    def __init__(self, content: AsyncIterator[str], group: PromptGroup) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._group = group
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._group.close()
 
 
 def generation_settings(body: LlamaCompletionRequest | None = None) -> dict[str, Any]:
