@@ -17,10 +17,10 @@ A step takes every decode first, then chunks of prompts already started, then ne
 long prompt never holds back a stream. With a cost model and a target inter-token latency, the
 prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
 
-With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the
-step computes them all and samples at each; `update` keeps the leading drafts the model agreed with
-and gives back the KV slots of the rest. Drafts are granted after the decodes and before any prompt
-chunk, only while the cost model says they raise the step's rate of emitted tokens.
+With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the step
+computes them all and samples at each; `update` keeps the leading drafts the model agreed with and gives
+back the KV slots of the rest. Drafts are granted after the decodes and before any prompt chunk, only
+while the cost model says they raise the step's rate of emitted tokens.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             start = request.num_computed_tokens
-            num_new = prefill.take(start, min(request.num_tokens - start, budget), self._is_long(request))
+            num_new = prefill.take(start, request.max_chunk(start, budget), self._is_long(request))
             if num_new == 0:
                 return self._plan(rows, preempted)
             if not self._make_room(request, start + num_new, scheduled, preempted):
@@ -155,7 +155,7 @@ class Scheduler:
                 break
             cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
-            num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget), self._is_long(request))
+            num_new = prefill.take(num_cached, request.max_chunk(num_cached, budget), self._is_long(request))
             if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
                 break
             self.waiting.remove(request)
