@@ -62,15 +62,17 @@ class PromptScores:
 
 def score_positions(logits: torch.Tensor, targets: list[int], num_top: int) -> list[PromptLogprob]:
     """logits (P, V) float32, targets: the token after each position -> each target's logprob, rank and
-    the position's top `num_top`."""
+    the position's top `num_top`. Only per-row values are formed (logit - logsumexp): no (P, V) copy."""
     out: list[PromptLogprob] = []
     target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)                # (P,)
     for first in range(0, len(targets), _ROWS_PER_PASS):
-        chunk = logits[first:first + _ROWS_PER_PASS].float().log_softmax(dim=-1)              # (C, V)
-        chunk = chunk.nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
+        chunk = logits[first:first + _ROWS_PER_PASS].float()                                  # (C, V)
+        norm = chunk.logsumexp(dim=-1, keepdim=True)                                           # (C, 1)
         chosen = chunk.gather(1, target_ids[first:first + _ROWS_PER_PASS].unsqueeze(1))        # (C, 1)
         ranks = (chunk > chosen).sum(dim=-1) + 1                                                # (C,) 1 = best
         top_values, top_ids = chunk.topk(min(num_top, chunk.shape[1]), dim=-1)                 # (C, N)
+        chosen = (chosen - norm).nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
+        top_values = (top_values - norm).nan_to_num(nan=IMPOSSIBLE_LOGPROB, neginf=IMPOSSIBLE_LOGPROB)
         out += [PromptLogprob(logprob=value, rank=rank, top=list(zip(ids, values)))
                 for value, rank, ids, values in zip(chosen.squeeze(1).tolist(), ranks.tolist(),
                                                     top_ids.tolist(), top_values.tolist())]
