@@ -149,6 +149,7 @@ def test_props_slots_health(tiny_server: RunningServer) -> None:
     assert props["total_slots"] == max_num_seqs and props["model_alias"] == tiny_server.model_name
     assert props["default_generation_settings"]["n_ctx"] == tiny_server.engine.core.info.max_model_len
     assert props["default_generation_settings"]["params"]["seed"] == -1 and props["model_path"]
+    assert props["chat_template_caps"]["supports_system_role"] is True and props["model_ftype"]
     slots = httpx.get(f"{tiny_server.base_url}/slots", timeout=10).json()
     assert len(slots) == max_num_seqs and "params" not in slots[0]
     assert slots[0]["n_ctx"] == props["default_generation_settings"]["n_ctx"]

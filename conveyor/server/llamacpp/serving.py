@@ -184,6 +184,14 @@ def generation_settings(body: LlamaCompletionRequest | None = None) -> dict[str,
             "grammar": body.grammar or ""}
 
 
+def template_caps(takes_tools: bool) -> dict[str, bool]:
+    """llama-server's chat_template_caps, as far as conveyor's templates go: text, system role, tools."""
+    return {"supports_object_arguments": takes_tools, "supports_parallel_tool_calls": takes_tools,
+            "supports_preserve_reasoning": False, "supports_reasoning_effort": False, "supports_string_content": True,
+            "supports_system_role": True, "supports_tool_calls": takes_tools, "supports_tools": takes_tools,
+            "supports_typed_content": True}
+
+
 def timings(metrics: RequestMetrics | None, num_prompt: int, num_predicted: int) -> dict[str, float]:
     """llama-server's timings: prompt from first scheduled to first token, generation after it."""
     cached = 0 if metrics is None else metrics.num_cached_tokens
@@ -232,7 +240,9 @@ def add_llamacpp_routes(app: FastAPI, serving: Serving, max_num_seqs: int) -> No
                 "modalities": {"vision": False, "audio": False, "video": False},
                 "chat_template": tokenizer.chat_template or "", "bos_token": tokenizer.bos_token or "",
                 "eos_token": tokenizer.eos_token or "", "build_info": f"conveyor {__version__}",
-                "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False}
+                "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False,
+                "model_ftype": info.weights or info.dtype, "media_marker": "", "ui": False, "ui_settings": {},
+                "cors_proxy_enabled": False, "chat_template_caps": template_caps(tokenizer.template_takes_tools)}
 
     @app.get("/slots", tags=["llama.cpp"])
     async def slots() -> list[dict[str, Any]]:
