@@ -163,10 +163,15 @@ def test_props_slots_health(tiny_server: RunningServer) -> None:
     ({"n_probs": 50}, "n_probs"),
     ({"n_predict": 10**7}, "n_predict"),
     ({"repeat_penalty": 1.3, "repeat_last_n": 64}, "repeat_last_n"),
+    ({"prompt": [[1, 2]] * 3000}, "prompt"),
+    ({"prompt": [[1, True]]}, "prompt"),
+    ({"prompt": {"prompt_string": "hi", "multimodal_data": ["x"]}}, "prompt"),
+    ({"prompt": [1, 10**9]}, "prompt"),
+    ({"prompt": [PROMPT] * 40, "n_probs": 20, "n_predict": 200}, "n_probs"),   # 40 x 200 x 21 logprob entries
 ])
 def test_refusals(tiny_server: RunningServer, fields: dict, param: str) -> None:
     res = _post(tiny_server, {"prompt": PROMPT, **fields})
-    assert res.status_code == 400, res.text
+    assert res.status_code == 400, res.text[:300]
     assert res.json()["error"]["param"] == param
 
 

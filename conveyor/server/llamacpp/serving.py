@@ -10,6 +10,7 @@ response's shape are llama.cpp's: `content`, `tokens_predicted`, `tokens_evaluat
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.logprobs import TokenLogprobs
 from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Serving
 from conveyor.server.llamacpp.schemas import LlamaCompletionRequest, LlamaPrompt
+from conveyor.server.request_limits import check_choice_count, check_logprobs_budget
 from conveyor.server.streaming import (
     ClientDisconnected,
     EventStreamResponse,
@@ -75,7 +77,10 @@ class LlamaCppServing:
         except InvalidRequest as exc:
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise
-        prompts, is_batch = self.prompts(body.prompt)
+        # Tokenized on a worker thread, as a long text would hold the event loop (and every stream) meanwhile.
+        prompts, is_batch = await asyncio.to_thread(self.prompts, body.prompt)
+        check_choice_count(len(prompts), 1)
+        check_logprobs_budget(params, prompts, self.serving.engine.info.max_model_len, "n_probs")
         if not await self.serving.compile_grammar(params, "grammar" if body.grammar is not None else "json_schema",
                                                   request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
