@@ -180,3 +180,12 @@ def test_inert_defaults_a_front_end_sends_are_accepted(tiny_server: RunningServe
                               "xtc_probability": 0, "samplers": ["top_k", "top_p", "min_p", "temperature"],
                               "repeat_last_n": 64, "n_keep": 0, "timings_per_token": False})
     assert res.status_code == 200, res.text
+
+
+def test_grammar_and_n_predict_0(tiny_server: RunningServer) -> None:
+    body = _post(tiny_server, {"prompt": PROMPT, "grammar": 'root ::= "yes" | "no"', "temperature": 1.0,
+                               "seed": 5}).json()
+    assert body["content"] in ("yes", "no") and body["stop_type"] == "eos"
+    empty = _post(tiny_server, {"prompt": PROMPT, "n_predict": 0, "return_tokens": True}).json()
+    assert empty["content"] == "" and empty["tokens"] == [] and empty["tokens_predicted"] == 0
+    assert empty["timings"]["predicted_n"] == 0 and empty["tokens_evaluated"] > 0
