@@ -25,7 +25,7 @@ MAX_STOP_STRINGS = 64                 # each new piece of text is checked agains
 MAX_STOP_CHARS = 1024                 # per stop string; text this long is held back until it cannot match
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64                    # each is checked against the output's tail at every step
-MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_ALLOWED_TOKEN_IDS = 262_144       # the largest vocabularies (Gemma 3); the list becomes a mask every step
 
 
 @dataclass(slots=True, frozen=True)
