@@ -12,7 +12,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.front import Choices
 from conveyor.engine.messages import RequestMetrics, RequestOutput
-from conveyor.logprobs import TokenLogprobs
+from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class CompletionOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     index: int = 0                     # which of its prompt's n choices
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with params.prompt_logprobs (choice 0 only)
     siblings: list[CompletionOutput] = field(default_factory=list)   # choices 1..n-1 of its prompt
 
     @property
@@ -47,6 +48,7 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -148,6 +150,8 @@ class LLM:
         state.token_ids.extend(output.new_token_ids)
         state.text.append(output.new_text)
         state.logprobs.extend(output.new_logprobs)
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             metrics = output.metrics
             results[output.request_id] = CompletionOutput(
@@ -160,6 +164,7 @@ class LLM:
                 logprobs=state.logprobs or None,
                 metrics=metrics,
                 error=output.error,
+                prompt_logprobs=state.prompt_logprobs,
             )
 
 

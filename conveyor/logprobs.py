@@ -16,3 +16,13 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]         # top-N (token_id, logprob), N = params.logprobs, best first
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it (vLLM's prompt_logprobs), its rank in the
+    vocabulary (1 = the most likely) and the position's top-N (token_id, logprob), best first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]

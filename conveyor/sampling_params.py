@@ -24,6 +24,8 @@ MAX_CHOICES = 128                     # n: choices per prompt
 MAX_STOP_STRINGS = 64                 # each new piece of text is checked against every stop string
 MAX_STOP_CHARS = 1024                 # per stop string; text this long is held back until it cannot match
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64                    # each is checked against the output's tail at every step
+MAX_ALLOWED_TOKEN_IDS = 262_144       # the largest vocabularies (Gemma 3); the list becomes a mask every step
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,6 +121,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None
     thinking_budget: ThinkingBudget | None = None
+    prompt_logprobs: int | None = None    # None = off; N = each prompt token's logprob and the top N (vLLM's)
+    allowed_token_ids: list[int] | None = None   # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)   # never written: their last token is blocked after the rest
+    bad_words_token_ids: list[list[int]] | None = None   # bad_words tokenized, by the front
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens (-1: the model length)
+    spaces_between_special_tokens: bool = False  # shown special tokens set apart by spaces in the text
+    use_prefix_cache: bool = True         # False: the prompt is computed in full (llama.cpp's cache_prompt)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -169,6 +178,11 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs, minimum=0) and self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
                                  param="logprobs")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs, minimum=0)
+                                                     and self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs!r}",
+                                 param="prompt_logprobs")
+        _check_vllm_fields(self)
         if not _is_int(self.n, minimum=1) or self.n > MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {self.n!r}", param="n")
         if self.best_of is not None and self.best_of != self.n:
@@ -195,9 +209,29 @@ class SamplingParams:
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice `index` of the n: one sequence; a seeded request's choice j samples with seed + j,
-        so the choices differ and each is reproducible."""
+        so the choices differ and each is reproducible. Only choice 0 scores the prompt: the choices share it."""
         seed = self.seed if self.seed is None or index == 0 else (self.seed + index) % 2**64
-        return replace(self, n=1, best_of=None, seed=seed)
+        return replace(self, n=1, best_of=None, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
+
+def _check_vllm_fields(params: SamplingParams) -> None:
+    """vLLM's extra fields; ids are checked against the vocabulary by admission."""
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS or not all(_is_int(t, minimum=0) for t in allowed):
+            raise InvalidRequest(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative token ids",
+                                 param="allowed_token_ids")
+        params.allowed_token_ids = list(allowed)
+    params.bad_words = list(params.bad_words)
+    if len(params.bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS
+                                                        for w in params.bad_words):
+        raise InvalidRequest(f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most "
+                             f"{MAX_STOP_CHARS} characters", param="bad_words")
+    truncate = params.truncate_prompt_tokens
+    if truncate is not None and not (_is_int(truncate, minimum=-1) and truncate != 0):
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (the model length) or at least 1, got {truncate!r}",
+                             param="truncate_prompt_tokens")
 
 
 def _is_int(value: object, minimum: int) -> bool:

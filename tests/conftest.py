@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def real_gguf(request: pytest.FixtureRequest) -> Path:
     files = request.config.getoption("--real-gguf")
     if not files:
-        pytest.skip("no --real-gguf FILE given (the real-file tier runs only on a file you have)")
+        pytest.skip("no --real-gguf=FILE given (the real-file tier runs only on a file you have)")
     return Path(files[0])
 
 

@@ -16,6 +16,7 @@ from conveyor.cli.flags import engine_options, parse_args, serve_configs
 from conveyor.config import EngineConfig, ReplicaConfig
 from conveyor.errors import ConveyorError
 from conveyor.logging_setup import configure_logging
+from conveyor.model.checkpoint import resolve_model_path
 
 if TYPE_CHECKING:
     from ray.serve.deployment import Application
@@ -72,6 +73,8 @@ def serve(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     started = None
     if server.core_process:
+        # A model that is not there is said here, before a core process starts only to fail the same way.
+        resolve_model_path(config.model.model)
         # The engine core starts now (Python, torch, the weights) while this process imports the server.
         from conveyor.engine.core_process import ProcessCoreClient
 

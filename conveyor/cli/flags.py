@@ -80,8 +80,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=CacheConfig.enable_prefix_caching,
                        help="reuse the KV blocks of shared prompt prefixes (--no-enable-prefix-caching: recompute "
                             "them)")
+    # No default of its own: the help would print the shared dest's "(default: True)" beside a "no" flag.
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="the same as --no-enable-prefix-caching")
+                       default=argparse.SUPPRESS, help="turn prefix caching off (the same as --no-enable-prefix-caching)")
     group.add_argument("--prefix-cache-dir", default=None,
                        help="a folder (only this user may write it) where full KV blocks are kept and found again "
                             "by later prompts, after a restart too; servers of the same user may share it "

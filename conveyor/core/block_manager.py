@@ -78,7 +78,7 @@ class BlockManager:
 
         The last token is always left to compute, so the step that admits it has logits to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
         self.update_hashes(request)
         limit = (request.num_tokens - 1) // self.block_size

@@ -18,6 +18,7 @@ class ScheduledRow:
     is_sampling: bool          # the chunk reaches the end of the request's tokens: sample one
     is_prefill: bool           # computing prompt (or recomputed) tokens rather than decoding
     num_draft_tokens: int = 0  # the last this many tokens are guesses to verify: sample at each of them too
+    num_prompt_logits: int = 0  # the first this many tokens' logits score the prompt token after each
 
     @property
     def num_logits(self) -> int:

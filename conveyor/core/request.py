@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from conveyor.sampling_params import SamplingParams
 
 
+MAX_SCORED_CHUNK = 256   # prompt positions scored per step: 256 x a 152k vocabulary = 156 MB of float32 logits
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -74,6 +77,28 @@ class Request:
     @property
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_index)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt is to be scored (prompt logprobs) and is not yet."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Asked not to use cached blocks, or a prompt to score: a cached block's tokens are never computed."""
+        return not self.params.use_prefix_cache or self.wants_prompt_logits
+
+    def max_chunk(self, start: int, budget: int) -> int:
+        """The most tokens a chunk from `start` may take within `budget`: a prompt being scored has logits
+        at every position, (chunk, vocabulary) float32, so its chunks are kept short."""
+        return min(self.num_tokens - start, budget, MAX_SCORED_CHUNK if self.wants_prompt_logits else budget)
+
+    def num_prompt_logits(self, start: int, end: int) -> int:
+        """Of the positions [start, end) computed in a step, how many lead to a prompt token to score:
+        position p's logits give prompt token p + 1's logprob (the last prompt token's are sampled)."""
+        if not self.wants_prompt_logits:
+            return 0
+        return max(0, min(end, self.num_prompt_tokens - 1) - start)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -9,19 +9,18 @@ covers chunked prefill, decode and resume.
     [r0 r1 ... rk]  --decode/chunk-->  step  <--admit while budgets and blocks allow-- [w0 w1 ...]
          ^  preempt the last running when blocks run out: it returns to waiting, tokens kept
 
-Within a priority level, new requests are admitted in turns between tenants (fairness.py), FCFS
-within a tenant. A waiting request with a better priority than a running one takes its place when
-the batch or the KV cache is full: the running one is preempted (tokens kept), at most
-max_priority_preemptions times.
+Within a priority level, new requests are admitted in turns between tenants (fairness.py), FCFS within
+a tenant. A waiting request with a better priority than a running one takes its place when the batch
+or the KV cache is full: the running one is preempted (tokens kept), at most max_priority_preemptions times.
 
 A step takes every decode first, then chunks of prompts already started, then new prompts, so a
 long prompt never holds back a stream. With a cost model and a target inter-token latency, the
 prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
 
-With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the
-step computes them all and samples at each; `update` keeps the leading drafts the model agreed with
-and gives back the KV slots of the rest. Drafts are granted after the decodes and before any prompt
-chunk, only while the cost model says they raise the step's rate of emitted tokens.
+With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the step
+computes them all and samples at each; `update` keeps the leading drafts the model agreed with and gives
+back the KV slots of the rest. Drafts are granted after the decodes and before any prompt chunk, only
+while the cost model says they raise the step's rate of emitted tokens.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             start = request.num_computed_tokens
-            num_new = prefill.take(start, min(request.num_tokens - start, budget), self._is_long(request))
+            num_new = prefill.take(start, request.max_chunk(start, budget), self._is_long(request))
             if num_new == 0:
                 return self._plan(rows, preempted)
             if not self._make_room(request, start + num_new, scheduled, preempted):
@@ -156,7 +155,7 @@ class Scheduler:
                 break
             cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
             num_cached = len(cached_ids) * self.blocks.block_size
-            num_new = prefill.take(num_cached, min(request.num_tokens - num_cached, budget), self._is_long(request))
+            num_new = prefill.take(num_cached, request.max_chunk(num_cached, budget), self._is_long(request))
             if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
                 break
             self.waiting.remove(request)
@@ -358,6 +357,7 @@ class Scheduler:
             is_sampling=end == request.num_tokens,
             # Decoding = feeding the one newest sampled token; a resumed request's recompute is prefill.
             is_prefill=not (start == request.num_tokens - 1 and start >= request.num_prompt_tokens),
+            num_prompt_logits=request.num_prompt_logits(start, end),
         )
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:

@@ -7,6 +7,8 @@ model length"), once; the core and its scheduler trust the CoreRequest they get.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from conveyor.engine.messages import CoreInfo
 from conveyor.errors import ContextLengthExceeded, InvalidRequest
 from conveyor.sampling_params import SamplingParams
@@ -23,6 +25,29 @@ def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
     return list(prompt)
 
 
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens (-1: the model length); the prompt
+    itself when not set."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    if keep > max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is over this model's maximum context length "
+                             f"({max_model_len})", param="truncate_prompt_tokens")
+    return prompt_token_ids[-(max_model_len if keep == -1 else keep):]
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word's tokens as written at a text's start and after a space (a different first token in
+    byte-level vocabularies), as vLLM tokenizes them."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        sequences += [ids for ids in (bare, spaced) if ids and ids not in sequences]
+    return sequences
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, info: CoreInfo) -> int:
     """Raise InvalidRequest / ContextLengthExceeded for a request that could never run; else return
     its resolved max_tokens."""
@@ -35,6 +60,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, info: Cor
     if bad_biased:
         raise InvalidRequest(f"logit_bias token id {bad_biased[0]} is outside the vocabulary "
                              f"(0..{info.vocab_size - 1})", param="logit_bias")
+    bad_allowed = [t for t in params.allowed_token_ids or () if t >= info.vocab_size]
+    if bad_allowed:
+        raise InvalidRequest(f"allowed_token_ids has token id {bad_allowed[0]}, outside the vocabulary "
+                             f"(0..{info.vocab_size - 1})", param="allowed_token_ids")
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")

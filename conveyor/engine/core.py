@@ -36,6 +36,7 @@ from conveyor.engine.messages import (
     TokenDelta,
     WatchBatch,
 )
+from conveyor.engine.prompt_scoring import PromptScores
 from conveyor.engine.stats import DiskTierCounts, DraftTally, EngineStats, StepStats
 from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
@@ -87,6 +88,7 @@ class EngineCore:
         self.structured = StructuredOutputs(grammar_compiler(self.model_path, self.model.vocab_size), num_threads)
         self._compiling: dict[str, Request] = {}   # constrained requests waiting for their grammar
         self.budgets = ThinkingBudgets(self.model.vocab_size)
+        self.prompt_scores = PromptScores()
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self._live: dict[str, _Live] = {}
@@ -100,7 +102,9 @@ class EngineCore:
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
                              enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
-                             prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "")
+                             prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "",
+                             weights=getattr(self.model, "weight_formats", None) or self.quantization
+                             if self.quantization != "none" else str(self.dtype).removeprefix("torch."))
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         sched = config.scheduler
@@ -186,13 +190,14 @@ class EngineCore:
         live = self._live.pop(request_id, None)
         self.structured.drop(request_id)
         self.budgets.drop(request_id)
+        self.prompt_scores.drop(request_id)
         is_held = self.disk_tier is not None and self.disk_tier.drop(request_id)
         if self._compiling.pop(request_id, None) is None and not is_held:
             self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
             return None
         return TokenDelta(request_id, [], finish_reason=reason.value, stop_reason=stop_reason, error=error,
-                          metrics=self._metrics(live.request))
+                          metrics=RequestMetrics.of(live.request))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling) or self._num_held() > 0
@@ -322,6 +327,11 @@ class EngineCore:
     def _run(self, plan: StepPlan, drafts: DraftTally) -> list[TokenDelta]:
         logits = self.runner.execute(plan)
         rows = [row for row in plan.rows if row.is_sampling]
+        num_sampled = sum(row.num_logits for row in rows)
+        if logits.shape[0] > num_sampled:   # the positions that score prompts follow the sampling rows'
+            self.prompt_scores.add(logits[num_sampled:], plan.rows, {r.request_id: self._live[r.request_id].request
+                                                                     for r in plan.rows if r.num_prompt_logits})
+            logits = logits[:num_sampled]
         masks = self.structured.step_masks([(row.request_id, row.draft_token_ids) for row in rows
                                             if self.structured.is_constrained(row.request_id)])
         masks.update(self.budgets.forced_masks([row.request_id for row in rows]))   # over the grammar's
@@ -353,14 +363,15 @@ class EngineCore:
                 self.scheduler.finish(update.request_id, FinishReason.STOP)
             entries = logprobs[update.request_id][:len(new_token_ids)]
             delta = TokenDelta(update.request_id, new_token_ids,
-                               entries if all(e is not None for e in entries) else [])
+                               entries if all(e is not None for e in entries) else [],
+                               prompt_logprobs=self.prompt_scores.take(live.request))
             if update.finish_reason is not None:
                 del self._live[update.request_id]
                 self.structured.drop(update.request_id)
                 self.budgets.drop(update.request_id)
                 delta.finish_reason = update.finish_reason.value
                 delta.stop_reason = update.stop_reason
-                delta.metrics = self._metrics(live.request)
+                delta.metrics = RequestMetrics.of(live.request)
             deltas.append(delta)
         return deltas
 
@@ -374,20 +385,3 @@ class EngineCore:
         """End one request with an error its client sees; its blocks are free at once."""
         delta = self._end(request_id, FinishReason.ERROR, error=message)
         return [] if delta is None else [delta]
-
-    @staticmethod
-    def _metrics(request: Request) -> RequestMetrics:
-        return RequestMetrics(
-            arrival_s=request.arrival_s,
-            first_scheduled_s=request.first_scheduled_s,
-            first_token_s=request.first_token_s,
-            finished_s=request.finished_s,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            tenant=request.tenant,
-            max_tokens=request.max_tokens,
-        )

@@ -50,7 +50,10 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
     try:
         core = EngineCore(config)
     except BaseException as exc:  # the front re-raises it, as if it had loaded the model itself
-        conn.send(_picklable(exc))
+        try:
+            conn.send(_picklable(exc))
+        except (BrokenPipeError, ConnectionResetError):
+            pass   # the front already gave up (it found the error itself): it has said why
         raise SystemExit(1) from None
 
     def receive(timeout_s: float) -> list[CoreCommand] | None:

@@ -10,9 +10,10 @@ deltas (detokenize, stop strings). Each prompt's n choices are `SamplingParams.f
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
-from conveyor.engine.admission import check_request, check_token_ids
+from conveyor.engine.admission import bad_words_token_ids, check_request, check_token_ids, truncate_prompt
 from conveyor.engine.messages import CoreInfo, CoreRequest, RequestOutput, TokenDelta
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.structured_output import GrammarCompiler, grammar_compiler
@@ -44,6 +45,10 @@ class Front:
                      arrival_s: float, priority: int = 0, tenant: str = "", is_background: bool = False
                      ) -> CoreRequest:
         """Admit one sequence (InvalidRequest / ContextLengthExceeded if it could never run) as a core request."""
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params, self.info.max_model_len)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         max_tokens = check_request(prompt_token_ids, params, self.info)
         return CoreRequest(request_id, prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids,
                            arrival_s, priority, tenant, is_background)

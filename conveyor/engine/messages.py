@@ -16,9 +16,10 @@ from conveyor.core.snapshot import BatchSnapshot
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from conveyor.core.request import Request
     from conveyor.engine.stats import StepStats
     from conveyor.errors import ConveyorError
-    from conveyor.logprobs import TokenLogprobs
+    from conveyor.logprobs import PromptLogprob, TokenLogprobs
 
 
 # ------------------------------------------------------------------ front -> core
@@ -88,6 +89,7 @@ class CoreInfo:
     num_threads: int = 1             # torch intra-op threads the core computes with
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # in force, preset and flags applied
     dtype: str = "float32"           # the working dtype the core chose
+    weights: str = ""                # the weights' formats as they run ("Q4_K x12, Q8_0 x13", or the dtype)
     enable_prefix_caching: bool = True
     model_path: str = ""             # resolved: the front's grammar cache is keyed on it, as the core's is
     prefix_cache_folder: str = ""    # the disk tier's folder for this model ("" without one): named prompts
@@ -107,6 +109,14 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     tenant: str = ""
     max_tokens: int = 0              # resolved: what the request was allowed to generate
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetrics:
+        """A core request's figures so far."""
+        return cls(request.arrival_s, request.first_scheduled_s, request.first_token_s, request.finished_s,
+                   request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+                   request.num_preemptions, request.num_draft_tokens, request.num_accepted_tokens,
+                   request.tenant, request.max_tokens)
 
     @property
     def queue_time_s(self) -> float | None:
@@ -132,6 +142,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -177,3 +188,4 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None      # set when finished, when the core's figures are at hand
     prompt_token_ids: list[int] | None = None  # set when finished
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with the first output, when asked for

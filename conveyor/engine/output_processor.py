@@ -37,7 +37,8 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                             skip_special_tokens=params.skip_special_tokens)
+                                             skip_special_tokens=params.skip_special_tokens,
+                                             spaces_between_special_tokens=params.spaces_between_special_tokens)
         self._streams[request_id] = _Stream(prompt_token_ids, params, detokenizer)
 
     def drop(self, request_id: str) -> None:
@@ -72,7 +73,7 @@ class OutputProcessor:
         end = max(len(stream.text) - hold, stream.num_emitted_chars)
         new_text = stream.text[stream.num_emitted_chars:end]
         stream.num_emitted_chars = end
-        output = RequestOutput(delta.request_id, token_ids, new_text, logprobs)
+        output = RequestOutput(delta.request_id, token_ids, new_text, logprobs, prompt_logprobs=delta.prompt_logprobs)
         if finished:
             del self._streams[delta.request_id]
             output.finished = True

@@ -108,8 +108,26 @@ class Tokenizer:
         """
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = False
+               ) -> str:
+        """`spaces_between_special_tokens`: added tokens shown set apart by single spaces, as transformers'
+        slow tokenizers (and vLLM's field of that name) write them; off, the tokens' text is joined as is."""
+        if not spaces_between_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self.backend.get_added_tokens_decoder()
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in [*ids, -1]:   # -1 flushes the last run
+            token = added.get(token_id)
+            if token is None and token_id >= 0:
+                run.append(token_id)
+                continue
+            if run:
+                parts.append(self.backend.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            if token is not None and not (skip_special_tokens and token.special):
+                parts.append(token.content)
+        return " ".join(part for part in parts if part)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, also when they are part of a UTF-8 character (where decode
@@ -189,9 +207,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int] | None = None,
         *,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._token_ids: list[int] = list(prompt_token_ids or [])[-self._PROMPT_CONTEXT_TOKENS :]
         self._read_offset = len(self._token_ids)
         self._prefix_offset = 0
@@ -206,8 +226,9 @@ class IncrementalDetokenizer:
         """Add one output token and return the newly completed text (possibly empty)."""
         self._token_ids.append(token_id)
         decode = self._tokenizer.decode
-        prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
-        new_text = decode(self._token_ids[self._prefix_offset :], self._skip_special_tokens)
+        prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset], self._skip_special_tokens,
+                             self._spaces)
+        new_text = decode(self._token_ids[self._prefix_offset :], self._skip_special_tokens, self._spaces)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]

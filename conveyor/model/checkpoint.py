@@ -5,6 +5,7 @@ these before (and without) loading any weights."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from conveyor.errors import ModelLoadError
@@ -32,11 +33,20 @@ def default_model_path() -> Path:
     return path
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")   # "owner/name", as the Hugging Face hub spells a repository
+
+
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
+        if _HUB_ID.fullmatch(model) and not model.endswith(".gguf"):
+            raise ModelLoadError(
+                f"model path does not exist: {model}. It looks like a Hugging Face hub id, but conveyor never "
+                f"downloads models: fetch a GGUF file or the model's folder first (for example `hf download "
+                f"{model} --local-dir models/{model.split('/')[1]}`, or a .gguf file from the repository's files) and "
+                f"pass its path. Expected {SUPPORTED}.")
         raise ModelLoadError(f"model path does not exist: {path}. Expected {SUPPORTED}.")
     if not path.is_file() and not path.is_dir():   # a FIFO or a device: reading it could block forever
         raise ModelLoadError(f"{path} is neither a regular file nor a folder. Expected {SUPPORTED}.")

@@ -116,6 +116,8 @@ def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
         setattr(parent, name, QuantLinear(lib, weights, getattr(parent, name).bias))
     kept = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()) if fmt in quant.FORMATS)
     requantized = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items()) if t not in quant.FORMATS)
+    # What the weights are, for the live view (each linear's format as it runs, requantized ones as q8_0).
+    model.weight_formats = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()))
     logger.info("weights kept in the file's formats: %s%s; token embedding %s; repacked in %.2f s", kept or "none",
                 f"; dequantized and requantized to q8_0 (no kernel for them): {requantized}" if requantized else "",
                 plan.embedding.tensor_type.name + " rows read from the file" if plan.embedding is not None

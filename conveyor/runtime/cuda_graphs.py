@@ -59,7 +59,7 @@ class DecodeGraphs:
         replays (a prompt chunk, guesses to verify, past the buckets) or no graph could be captured."""
         rows = plan.rows
         if (self.failed is not None or not 0 < len(rows) <= self.batch_sizes[-1]
-                or any(r.num_tokens != 1 or r.num_draft_tokens for r in rows)):
+                or any(r.num_tokens != 1 or r.num_draft_tokens or r.num_prompt_logits for r in rows)):
             return None
         longest = max(len(r.block_table) for r in rows)
         if longest > self.block_counts[-1]:

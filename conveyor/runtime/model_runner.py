@@ -36,7 +36,8 @@ class ModelRunner:
             raise ValueError("the KV cache's key layout does not match the attention path")
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the plan's packed batch; returns logits (S, V) float32 for its sampling rows, in order."""
+        """Run the plan's packed batch; returns logits (S + P, V) float32: its sampling rows' in order,
+        then the P positions of its rows' `num_prompt_logits`, in order."""
         with torch.inference_mode():
             logits = None if self.graphs is None else self.graphs.run(plan)
             if logits is not None:

@@ -4,7 +4,8 @@ temperature, top-k / top-p / min-p, per-request seeds and logprobs.
 Order of operations (vLLM's):
     penalties (repetition over prompt+output; frequency, presence over output) -> logit_bias
     -> logprobs snapshot (log_softmax of the penalised logits)
-    -> min_tokens mask (eos and stop_token_ids -> -inf) -> the grammar's allowed tokens
+    -> min_tokens mask (eos and stop_token_ids -> -inf) -> allowed_token_ids, bad_words (token_filters.py)
+    -> the grammar's allowed tokens
     -> greedy rows: argmax
     -> random rows: / temperature -> min_p -> top_k -> top_p -> draw argmax(probs / Exp(1) noise)
 
@@ -25,6 +26,7 @@ import torch
 
 from conveyor import kernels
 from conveyor.logprobs import IMPOSSIBLE_LOGPROB, TokenLogprobs
+from conveyor.runtime.token_filters import apply_token_filters
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,7 +122,9 @@ class Sampler:
         # Reported logprobs are the model's distribution after penalties, before min_tokens and temperature.
         raw_logprobs = (logits.index_select(0, self._index(logprob_rows)).log_softmax(dim=-1)
                         if logprob_rows else None)                                           # (L, V)
-        logits = _apply_allowed_tokens(_block_stop_tokens(logits, rows), logits, rows)
+        filtered = apply_token_filters(_block_stop_tokens(logits, rows), [r.params for r in rows],
+                                       [r.output_token_ids for r in rows])
+        logits = _apply_allowed_tokens(filtered, logits, rows)
         token_ids = self._choose(logits, rows)                                               # (S,)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:

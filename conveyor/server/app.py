@@ -27,6 +27,7 @@ from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
 from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore
 from conveyor.server.live_view import add_dashboard
+from conveyor.server.llamacpp.serving import add_llamacpp_routes
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.request_guard import RequestGuard, error_response
@@ -152,6 +153,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
 
     add_batch_routes(app, batch_store)
     add_responses_routes(app, serving)
+    add_llamacpp_routes(app, serving, async_engine.info.scheduler.max_num_seqs)
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
               responses={200: {"content": _STREAM_DOC, "description": "a completion, or SSE chunks when "

@@ -57,12 +57,12 @@ def add_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, server: di
     from starlette.staticfiles import StaticFiles
 
     info = engine.info
-    config = {"model": model_name, "dtype": info.dtype, "threads": info.num_threads,
-              "max_model_len": info.max_model_len, "num_kv_blocks": info.num_kv_blocks,
-              "block_size": info.block_size, "enable_prefix_caching": info.enable_prefix_caching,
-              **{k: v for k, v in dataclasses.asdict(info.scheduler).items()
-                 if k != "max_model_len"},
-              **server}
+    scheduler = {k: v for k, v in dataclasses.asdict(info.scheduler).items() if k != "max_model_len"}
+    # The threshold in force (None in the config means "max_num_batched_tokens"), as the start-up log says it.
+    scheduler["long_prefill_token_threshold"] = info.scheduler.long_prefill_threshold
+    config = {"model": model_name, "weights": info.weights or info.dtype, "compute_dtype": info.dtype,
+              "threads": info.num_threads, "max_model_len": info.max_model_len, "num_kv_blocks": info.num_kv_blocks,
+              "block_size": info.block_size, "enable_prefix_caching": info.enable_prefix_caching, **scheduler, **server}
     live_view = LiveView(engine, config)
     app.mount("/dashboard/static", StaticFiles(directory=str(STATIC_DIR)), name="dashboard-static")
     no_cache = {"Cache-Control": "no-cache"}

@@ -42,9 +42,10 @@ def encode_large(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> l
     return token_ids
 
 
-def encode_all(tokenizer: Tokenizer, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-    """A completion's prompts as token ids (texts tokenized with special tokens, id lists copied)."""
-    return [encode_large(tokenizer, p, True) if isinstance(p, str) else list(p) for p in prompts]
+def encode_all(tokenizer: Tokenizer, prompts: list[str] | list[list[int]],
+               add_special_tokens: bool = True) -> list[list[int]]:
+    """A completion's prompts as token ids (texts tokenized, by default with special tokens; id lists copied)."""
+    return [encode_large(tokenizer, p, add_special_tokens) if isinstance(p, str) else list(p) for p in prompts]
 
 
 async def render_off_loop(render: Callable[[], str]) -> str:

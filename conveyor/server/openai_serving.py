@@ -12,29 +12,29 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.config import GrammarLimits
+from conveyor.engine.admission import truncate_prompt
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
-from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
 from conveyor.server.grammar_gate import GrammarGate
+from conveyor.server.logprob_format import LogprobFormatter
 from conveyor.server.off_loop import (
     THREAD_TOKENIZE_CHARS,
-    encode_all,
     encode_large,
     render_off_loop,
     respond_off_loop,
 )
-from conveyor.server.request_limits import check_choice_count, check_logprobs_budget, tenant_of
+from conveyor.server.request_limits import check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -42,15 +42,8 @@ from conveyor.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatStreamChoice,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
-    CompletionResponse,
     CompletionTokensDetails,
-    TopLogprob,
     UsageInfo,
 )
 from conveyor.server.chat_tools import template_input
@@ -70,20 +63,6 @@ from conveyor.server.streaming import (
 
 logger = logging.getLogger(__name__)
 
-CLIENT_CLOSED_REQUEST = 499          # nginx's status for a client that left; nobody reads it
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One prompt's output so far."""
-
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_chars: int = 0               # text emitted so far; completions' logprob text offsets start here
-    thinking: list[str] = field(default_factory=list)   # with a reasoning parser, the text is the answer only
-
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_prompt_chars: int | None = None,
@@ -99,10 +78,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_prompt_chars = max_prompt_chars or engine.info.max_model_len * self.tokenizer.max_token_chars
-        # Token strings for logprobs; an LRU since the same tokens come back all the time.
-        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
-        self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(self.tokenizer.token_bytes)
+        self.logprobs = LogprobFormatter(self.tokenizer)
 
     # ------------------------------------------------------------ shared
 
@@ -161,9 +137,9 @@ class OpenAIServing:
                            is_batch_request(request.scope))
 
     async def _collect(self, request: Request, group: PromptGroup,
-                       splitters: list[ChatOutputSplitter] | None = None) -> list[_Choice]:
-        async def collect() -> list[_Choice]:
-            choices = [_Choice() for _ in range(group.num_prompts)]
+                       splitters: list[ChatOutputSplitter] | None = None) -> list[Choice]:
+        async def collect() -> list[Choice]:
+            choices = [Choice() for _ in range(group.num_prompts)]
             async for index, output in group.outputs():
                 choice = choices[index]
                 text = output.new_text
@@ -173,6 +149,8 @@ class OpenAIServing:
                 choice.text.append(text)
                 choice.num_tokens += len(output.new_token_ids)
                 choice.logprobs.extend(output.new_logprobs)
+                if output.prompt_logprobs is not None:
+                    choice.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     choice.finish_reason = output.finish_reason
             return choices
@@ -199,88 +177,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ /v1/completions
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        tenant = tenant_of(request, body.user)
-        params = body.sampling_params()
-        if not await self.compile_grammar(params, body.constraint_field, request):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        texts = body.prompts()
-        check_choice_count(len(texts), params.n)
-        num_chars = sum(len(p) for p in texts if isinstance(p, str))
-        self.check_prompt_chars(num_chars, "prompt")
-        # Many short prompts add up: past the threshold in all, they are tokenized on one worker thread.
-        prompts = (await asyncio.to_thread(encode_all, self.tokenizer, texts) if num_chars > THREAD_TOKENIZE_CHARS
-                   else encode_all(self.tokenizer, texts))
-        check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "logprobs")
-        group = self._start("cmpl", prompts, params, body.priority, tenant, request)
-        created = int(time.time())
-        if body.stream:
-            return EventStreamResponse(self._completion_events(group, prompts, created, body), group)
-        try:
-            choices = await self._collect(request, group)
-        except ClientDisconnected:
-            return self._disconnected(group)
-        return await respond_off_loop(lambda: CompletionResponse(
-            id=group.group_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
-                                      logprobs=self._completion_logprobs(c.logprobs, 0)
-                                      if params.logprobs is not None else None)
-                     for i, c in enumerate(choices)],
-            usage=self._usage(prompts, sum(c.num_tokens for c in choices)),
-        ))
-
-    async def _completion_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
-                                 body: CompletionRequest) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in range(group.num_prompts)]
-        want_logprobs = body.logprobs is not None
-        try:
-            async for index, output in group.outputs():
-                choice = choices[index]
-                choice.num_tokens += len(output.new_token_ids)
-                if not (output.new_text or output.finished or (want_logprobs and output.new_logprobs)):
-                    continue  # text held back (a possible stop string, a split character)
-                logprobs = (self._completion_logprobs(output.new_logprobs, choice.num_chars)
-                            if want_logprobs else None)
-                choice.num_chars += len(output.new_text)
-                chunk = CompletionChunk(
-                    id=group.group_id, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
-                                              finish_reason=output.finish_reason if output.finished else None)])
-                yield sse(chunk.model_dump_json())
-        except ConveyorError as exc:
-            yield error_event(exc)
-            yield DONE_EVENT
-            return
-        if body.include_usage:
-            usage = self._usage(prompts, sum(c.num_tokens for c in choices))
-            yield sse(CompletionChunk(id=group.group_id, created=created, model=self.model_name, choices=[],
-                                      usage=usage).model_dump_json())
-        yield DONE_EVENT
-
-    def _completion_token(self, token_id: int) -> str:
-        """The token as completions' logprobs name it: its text, or, for a token that is not whole UTF-8
-        characters, "bytes:" and its bytes escaped, as OpenAI writes them (so such tokens stay apart)."""
-        text = self.token_text(token_id)
-        if "\ufffd" in text:
-            raw = self.token_bytes(token_id)
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return text
-
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for entry in logprobs:
-            token = self._completion_token(entry.token_id)
-            top = {self._completion_token(token_id): logprob for token_id, logprob in entry.top}
-            top.setdefault(token, entry.logprob)
-            result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(self.token_text(entry.token_id))
-        return result
+        return await serve_completions(self, body, request)
 
     # ------------------------------------------------------------ /v1/chat/completions
 
@@ -300,6 +197,9 @@ class OpenAIServing:
             id=group.group_id, created=created, model=self.model_name,
             choices=[self._chat_choice(i, c, body, s) for i, (c, s) in enumerate(zip(choices, splitters))],
             usage=self._usage(prompts, sum(c.num_tokens for c in choices), run.num_reasoning_tokens),
+            prompt_logprobs=None if body.prompt_logprobs is None or choices[0].prompt_logprobs is None else
+            self.logprobs.prompt_logprobs(prompts[0], choices[0].prompt_logprobs, body.return_tokens_as_token_ids,
+                                          body.prompt_logprobs),
         ))
 
     async def start_chat(self, body: ChatCompletionRequest, request: Request, prefix: str) -> ChatRun | None:
@@ -315,7 +215,9 @@ class OpenAIServing:
         params = thinking.constrain(params)
         if not await self.compile_grammar(params, body.constraint_field, request):
             return None
-        prompts = [await self.encode(text, add_special_tokens=False)]  # the template has the BOS
+        # The template has the BOS; vLLM's add_special_tokens asks for the tokenizer's too.
+        prompts = [truncate_prompt(await self.encode(text, add_special_tokens=bool(body.add_special_tokens)),
+                                   params, self.engine.info.max_model_len)]
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
         try:
             group = self._start(prefix, prompts, params, body.priority, tenant, request)
@@ -328,7 +230,7 @@ class OpenAIServing:
         return ChatRun(group, prompts, thinking,
                        [thinking.splitter(body, self.tool_forms) for _ in range(group.num_prompts)])
 
-    def _chat_choice(self, index: int, choice: _Choice, body: ChatCompletionRequest,
+    def _chat_choice(self, index: int, choice: Choice, body: ChatCompletionRequest,
                      splitter: ChatOutputSplitter) -> ChatChoice:
         content: str | None = "".join(choice.text)
         reasoning = "".join(choice.thinking) if splitter.reasoning is not None and splitter.reasoning.thought else None
@@ -345,7 +247,8 @@ class OpenAIServing:
                                    tool_calls=tool_calls_out(calls) or None)
         return ChatChoice(index=index, message=message,
                           finish_reason=finish_reason(choice.finish_reason, bool(calls)),
-                          logprobs=self._chat_logprobs(choice.logprobs) if body.logprobs else None)
+                          logprobs=self.logprobs.chat_logprobs(choice.logprobs, body.return_tokens_as_token_ids)
+                          if body.logprobs else None)
 
     async def _chat_events(self, group: PromptGroup, prompts: list[list[int]], created: int,
                            body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
@@ -370,7 +273,8 @@ class OpenAIServing:
                     index=index, delta=ChatDelta(content=text if text or not (calls or reasoning) else None,
                                                  reasoning_content=reasoning or None,
                                                  tool_calls=tool_call_deltas(calls, first) or None),
-                    logprobs=self._chat_logprobs(output.new_logprobs) if body.logprobs else None,
+                    logprobs=self.logprobs.chat_logprobs(output.new_logprobs, body.return_tokens_as_token_ids)
+                    if body.logprobs else None,
                     finish_reason=finish)])
         except ConveyorError as exc:
             yield error_event(exc)
@@ -379,17 +283,4 @@ class OpenAIServing:
         if body.include_usage:
             yield chunk([], self._usage(prompts, num_tokens, run.num_reasoning_tokens))
         yield DONE_EVENT
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            # bytes are the token's own, also where its text is U+FFFD (a part of a UTF-8 character)
-            return TopLogprob(token=self.token_text(token_id), logprob=logprob,
-                              bytes=list(self.token_bytes(token_id)))
-
-        content = []
-        for entry in logprobs:
-            sampled = top(entry.token_id, entry.logprob)
-            content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
-                                            top_logprobs=[top(i, lp) for i, lp in entry.top]))
-        return ChatLogprobs(content=content)
 

@@ -34,7 +34,8 @@ from conveyor.server.responses import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-MODEL_PATHS = ("/v1/completions", "/v1/chat/completions")   # the routes that take a concurrency slot
+# The routes that take a concurrency slot (llama.cpp's /completion too).
+MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/completion", "/completions")
 _THREAD_SCAN_BYTES = 256 * 1024   # bodies past this are scanned for nesting on a worker thread
 # No route reads the body of a GET (or HEAD, DELETE, OPTIONS); these need no key on /health, /docs
 # and /metrics, so their bodies are kept small, or clients without the key could hold megabytes each.
@@ -68,7 +69,7 @@ class RequestGuard:
         self.max_concurrency = server.max_concurrency
         self.num_in_progress = 0
         self.expected_auth = f"Bearer {server.api_key}".encode() if server.api_key is not None else None
-        keyed = ("/v1/", "/tokenize", "/detokenize", "/slots/", EVENTS_PATH)
+        keyed = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH, "/completion", "/props", "/slots")
         self.protected_paths = (*keyed, "/metrics") if server.protect_metrics else keyed
         self.max_body_bytes = server.max_body_bytes
         self.body_timeout_s = server.body_timeout_s
@@ -141,6 +142,11 @@ class RequestGuard:
             return None
         data = bytes(body)
         content_type = headers.get(b"content-type", b"application/json")   # FastAPI reads a body without one as JSON
+        if _is_json_sent_as_form(content_type, data):
+            # `curl -d '{...}'` labels JSON as a form: read as what it is, as vLLM and llama-server do.
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
+            content_type = b"application/json"
         is_json = b"json" in content_type.lower()
         too_deep = is_json and (await asyncio.to_thread(nests_deeper_than, data) if len(data) > _THREAD_SCAN_BYTES
                                 else nests_deeper_than(data))
@@ -168,6 +174,12 @@ class RequestGuard:
                 raise   # too late for an error body; the server logs it and closes the connection
             logger.error("%s %s raised", scope["method"], scope["path"], exc_info=exc)
             await error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))(scope, receive, send)
+
+
+def _is_json_sent_as_form(content_type: bytes, body: bytes) -> bool:
+    """A body labelled as a form or plain text whose content is a JSON object."""
+    kind = content_type.split(b";")[0].strip().lower()
+    return kind in (b"application/x-www-form-urlencoded", b"text/plain") and body.lstrip()[:1] == b"{"
 
 
 async def _refuse(exc: ConveyorError, scope: Scope, receive: Receive, send: Send) -> None:

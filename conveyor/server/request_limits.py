@@ -52,14 +52,17 @@ def check_choice_count(num_prompts: int, n: int) -> None:
 
 def check_logprobs_budget(params: SamplingParams, prompts: list[list[int]], max_model_len: int, param: str) -> None:
     """400 when the logprobs asked for could pass MAX_LOGPROB_ENTRIES: prompts x n x output tokens x
-    (top + 1). Output tokens are max_tokens, or what the model length leaves when it is not set."""
-    if params.logprobs is None:
-        return
+    (top + 1), plus prompt tokens x (top + 2) with prompt logprobs (each may be shown twice, with echo).
+    Output tokens are max_tokens, or what the model length leaves when it is not set."""
     num_entries = 0
     for prompt in prompts:
         max_tokens = params.max_tokens if params.max_tokens is not None else max(0, max_model_len - len(prompt))
-        num_entries += params.n * max_tokens * (params.logprobs + 1)
+        if params.logprobs is not None:
+            num_entries += params.n * max_tokens * (params.logprobs + 1)
+        if params.prompt_logprobs is not None:   # every choice shows its prompt's scores
+            num_entries += params.n * len(prompt) * (params.prompt_logprobs + 2)
     if num_entries > MAX_LOGPROB_ENTRIES:
         raise InvalidRequest(
-            f"this request could return {num_entries} logprob entries (choices x max_tokens x (top logprobs + 1)); "
-            f"the limit is {MAX_LOGPROB_ENTRIES}: lower max_tokens, n or the top logprobs", param=param)
+            f"this request could return {num_entries} logprob entries (choices x (max_tokens x (top logprobs + 1) "
+            f"+ prompt tokens x (top prompt logprobs + 2))); the limit is {MAX_LOGPROB_ENTRIES}: lower max_tokens, "
+            f"n, the prompt or the top logprobs", param=param)

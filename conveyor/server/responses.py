@@ -26,11 +26,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at a prompt position and its rank in the vocabulary (1 = best)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None   # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -113,6 +122,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None   # vLLM's, when asked for
 
 
 class FunctionCallDelta(BaseModel):

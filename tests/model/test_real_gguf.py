@@ -30,3 +30,23 @@ def test_real_file_runs_in_its_own_formats_and_batched_equals_alone(real_gguf: P
     alone = [llm.generate([p], params)[0] for p in PROMPTS]
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     assert all(o.token_ids for o in batched)
+
+
+def test_real_file_prompt_logprobs_match_transformers(real_gguf: Path) -> None:
+    """Prompt scores (echo / prompt_logprobs) of the file's weights dequantized to float32 against
+    transformers' forward of the same file, also dequantized: the scoring path, not the formats."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(real_gguf), quantization="none", dtype="float32", kv_cache_memory="256MiB",
+              max_num_batched_tokens=32)
+    prompt = llm.tokenizer.encode(" ".join(PROMPTS) + " and then some more words to pass a chunk or two.")
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    model = AutoModelForCausalLM.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(dim=-1)
+    expected = reference.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    got = torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
+    assert out.prompt_logprobs[0] is None and len(got) == len(expected)
+    assert torch.allclose(got, expected, atol=2e-3), (got - expected).abs().max()

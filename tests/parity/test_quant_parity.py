@@ -22,6 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 def test_batched_equals_alone_with_quantized_weights(quantization: str) -> None:
     prompts = make_prompts(8, seed=1)
     llm = LLM(quantization=quantization, max_num_seqs=8, max_num_batched_tokens=4096, kv_cache_memory="256MiB")
+    # The live view and /props name the weights as they run, not the activations' dtype.
+    weights = llm.engine.core.info.weights
+    assert "q4_1 x210" in weights.lower() if quantization == "gguf" else weights == "int8"
     alone = [llm.generate([p], GREEDY)[0] for p in prompts]
     assert_same_tokens(llm.generate(prompts, GREEDY), alone, f"{quantization} roomy")
     chunked = LLM(quantization=quantization, max_num_seqs=8, max_num_batched_tokens=48, kv_cache_memory="256MiB")

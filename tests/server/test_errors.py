@@ -46,7 +46,7 @@ def test_body_that_is_not_an_object(tiny_server: RunningServer) -> None:
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 129}, "n"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),

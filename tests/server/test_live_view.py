@@ -93,6 +93,9 @@ def test_a_request_joins_the_rows_and_leaves_them_and_the_block_map_follows(serv
         config = hello["config"]
         assert config["model"] == server.model_name and config["max_num_seqs"] == 4
         assert config["num_kv_blocks"] == server.engine.core.info.num_kv_blocks
+        # The values in force, as the start-up log says them: the threshold resolved, the weights' own format.
+        assert config["long_prefill_token_threshold"] == server.engine.core.info.scheduler.long_prefill_threshold
+        assert config["weights"] == server.engine.core.info.weights == config["compute_dtype"]   # a float folder
         wait_for(lambda: viewer.updates(), 10, "the first update (sent at once, even idle)")
         assert viewer.updates()[0]["rows"] == []
         with slow_steps(server.engine, 0.02):

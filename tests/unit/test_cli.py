@@ -138,3 +138,31 @@ def test_readme_first_flags_table_names_real_serve_flags_with_their_defaults() -
     assert f"`{CacheConfig.kv_cache_memory}`" in table
     # The first screen keeps its two commands.
     assert readme.index("make run ") < readme.index("make test ") < readme.index("## Using it")
+
+
+def test_no_prefix_caching_help_reads_right(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    entry = help_text[help_text.index("--no-prefix-caching turn"):][:120]
+    assert "prefix caching off" in entry and "default: True" not in entry.split("--speculative")[0]
+
+
+def test_a_missing_model_is_one_clear_line_and_a_hub_id_says_conveyor_never_downloads(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conveyor.errors import ModelLoadError
+    from conveyor.model.checkpoint import resolve_model_path
+
+    with pytest.raises(ModelLoadError, match="never downloads models") as hub:
+        resolve_model_path("Qwen/Qwen2.5-Coder-0.5B-Instruct")
+    assert "hf download Qwen/Qwen2.5-Coder-0.5B-Instruct" in str(hub.value)
+    with pytest.raises(ModelLoadError) as missing:
+        resolve_model_path("models/nothing-here.gguf")
+    assert "never downloads" not in str(missing.value)
+    # The default core process must not die on a closed pipe after the front has said why.
+    run = subprocess.run([sys.executable, "-m", "conveyor", "serve", str(tmp_path / "nonexistent.gguf")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode != 0 and "model path does not exist" in run.stderr
+    assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr

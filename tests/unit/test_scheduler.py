@@ -532,3 +532,35 @@ def test_num_cached_tokens_never_exceeds_the_prompt_after_a_resume() -> None:
     plans = run_to_completion(sched)
     assert any("b" in p.preempted_ids for p in plans)
     assert b.num_cached_tokens <= b.num_prompt_tokens
+
+
+def test_a_scored_prompt_is_computed_in_full_in_short_chunks_with_logits_at_each_position() -> None:
+    """prompt_logprobs: no prefix cache hit (a cached token has no logits), chunks of at most
+    MAX_SCORED_CHUNK, and each row names the positions whose logits score the next prompt token."""
+    from dataclasses import replace
+
+    from conveyor.core.request import MAX_SCORED_CHUNK
+
+    num_tokens = MAX_SCORED_CHUNK + 40
+    sched, blocks = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=1024, max_model_len=1024,
+                                   enable_prefix_caching=True)
+    prompt = list(range(10, 10 + num_tokens))
+    sched.add(make_request("warm", prompt=prompt, max_tokens=1))
+    run_to_completion(sched)
+    scored = make_request("scored", prompt=prompt, max_tokens=2)
+    scored.params = replace(scored.params, prompt_logprobs=1)
+    plain = make_request("plain", prompt=prompt, max_tokens=2)
+    sched.add(scored)
+    sched.add(plain)
+    first, _ = step(sched)
+    rows = {row.request_id: row for row in first.rows}
+    assert rows["scored"].start_position == 0 and rows["scored"].num_tokens == MAX_SCORED_CHUNK
+    assert rows["scored"].num_prompt_logits == MAX_SCORED_CHUNK and not rows["scored"].is_sampling
+    assert rows["plain"].start_position > 0 and rows["plain"].num_prompt_logits == 0   # a cache hit
+    second, _ = step(sched)
+    [row] = [r for r in second.rows if r.request_id == "scored"]
+    assert row.start_position == MAX_SCORED_CHUNK and row.is_sampling
+    assert row.num_prompt_logits == num_tokens - 1 - MAX_SCORED_CHUNK   # the last position's logits are sampled
+    third, _ = step(sched)
+    assert all(r.num_prompt_logits == 0 for r in third.rows)   # decoding: the prompt is scored
+    assert scored.num_cached_tokens == 0 and blocks.num_hit_tokens > 0
