@@ -19,10 +19,10 @@ import statistics
 from pathlib import Path
 
 from bench import report, servers
-from bench.limits import stream_read_bandwidth
+from bench.limits import model_arch, stream_read_bandwidth
+from bench.metrics import summarize
 from bench.real_models import conveyor_server, decode_bytes_per_token, find_peers, llama_server, served
-from bench.serving import offline_workload, summarize, warmup_workload
-from conveyor.model.gguf_model import model_arch
+from bench.workloads import offline_workload, warmup_workload
 
 PEERS = ("ik-llama-rtr", "ik-llama", "llama-server")
 
