@@ -14,8 +14,9 @@ within a tenant. A waiting request with a better priority than a running one tak
 the batch or the KV cache is full: the running one is preempted (tokens kept), at most
 max_priority_preemptions times.
 
-A step takes every decode first, then chunks of prompts already started, then new prompts, so a
-long prompt never holds back a stream. With a cost model and a target inter-token latency, the
+A step takes every decode first, then prompts (prompt_phase.py): chunks of prompts already started,
+with waiting prompts shorter than a started one admitted ahead of its chunk, then new prompts; so a
+long prompt never holds back a stream, nor a short prompt that arrives while it is computed. With a cost model and a target inter-token latency, the
 prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
 
 With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the
@@ -56,6 +57,8 @@ class Scheduler(PromptPhase):
         self.waiting: list[Request] = []     # sorted by sort_key
         self.running: list[Request] = []     # sorted by sort_key
         self._finished_ids: list[str] = []   # since the last plan
+        self._wait_causes: dict[str, str] = {}
+        self._line_cause = "budget"
         self._arrivals = 0
         self.num_preemptions = 0
         self.shares = TenantShares(dict(config.tenant_weights))
@@ -106,6 +109,8 @@ class Scheduler(PromptPhase):
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan:
+        self._charge_queue_time(self.clock())
+        self._wait_causes, self._line_cause = {}, "budget"
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
@@ -189,6 +194,7 @@ class Scheduler(PromptPhase):
     # ------------------------------------------------------------ internals
 
     def _plan(self, rows: list[ScheduledRow], preempted: list[str]) -> StepPlan:
+        self._note_wait_causes(rows)
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
 

@@ -214,8 +214,8 @@ class PrefillBudget:
         self.long_time_left_s = long_slowdown * decode_s if self.is_limited and long_slowdown else math.inf
         self.floor_left = min_tokens
 
-    def take(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
-        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`."""
+    def peek(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
+        """What `take` would grant now, granting nothing."""
         if num_wanted <= 0:
             return 0
         if not self.is_limited:
@@ -226,6 +226,15 @@ class PrefillBudget:
             long_fit = self.cost.max_chunk(start_position, self.long_time_left_s)
             if long_fit is not None:
                 num = min(num, max(long_fit, 1))
+        return num
+
+    def take(self, start_position: int, num_wanted: int, is_long: bool = False, at_least: int = 0) -> int:
+        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`; never fewer
+        than `at_least` (a share held back for it earlier in the step) while it wants them."""
+        num = max(self.peek(start_position, num_wanted, is_long), min(at_least, num_wanted))
+        if not self.is_limited or num <= 0:
+            return num
+        if is_long and self.long_time_left_s < math.inf:
             self.long_time_left_s -= self.cost.chunk_s(start_position, num)
         self.time_left_s -= self.cost.chunk_s(start_position, num)
         self.floor_left = max(self.floor_left - num, 0)
