@@ -30,6 +30,10 @@ from conveyor.core.plan import ScheduledRow
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.step_cost import PrefillBudget, StepCostModel, StepShape
 
+# Waiting requests one admission pass may pass over (longer ones, prefix waiters) before it stops
+# looking: a queue of thousands costs a bounded scan per step, not a quadratic one.
+MAX_PASSED_OVER = 64
+
 
 class PromptPhase:
     config: SchedulerConfig
@@ -111,7 +115,7 @@ class PromptPhase:
         leaving `held_blocks` free for it. `passed` gathers the ids passed over for the whole step."""
         used = 0
         longer: set[str] = set()   # passed over for this chunk only
-        while self.waiting and used < budget:
+        while self.waiting and used < budget and len(longer) + len(passed) < MAX_PASSED_OVER:
             if len(self.running) >= self.config.max_num_seqs:
                 self._line_cause = "budget"
                 break
@@ -216,9 +220,12 @@ class PromptPhase:
                 request.queue_mark_s = now_s
 
     def _prefill_budget(self, rows: list[ScheduledRow]) -> PrefillBudget:
-        target_ms = self.config.target_itl_ms
-        if self.cost_model is None or target_ms is None or not rows:
+        target_ms, step_ms = self.config.target_itl_ms, self.config.long_prefill_step_ms
+        if self.cost_model is None or target_ms is None:
             return PrefillBudget()
+        if not rows:
+            return PrefillBudget(self.cost_model.cost, min_tokens=self.config.min_prefill_chunk,
+                                 long_step_s=None if step_ms is None else step_ms / 1000)
         return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
                              StepShape.from_rows(rows), self.config.long_prefill_max_slowdown)
 

@@ -117,11 +117,13 @@ class EngineCore:
                     self.max_model_len)
         sched = config.scheduler
         logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d, "
-                    "long prompts (over %d tokens) lengthen a decoding step by at most %s",
+                    "long prompts (over %d tokens) lengthen a decoding step by at most %s, step alone %s",
                     "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
                     sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
                     "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
-                    else f"{sched.long_prefill_max_slowdown:g}x its decode time")
+                    else f"{sched.long_prefill_max_slowdown:g}x its decode time",
+                    "up to the token budget" if sched.long_prefill_step_ms is None or sched.target_itl_ms is None
+                    else f"in about {sched.long_prefill_step_ms:g} ms")
         if proposer is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
                         spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
