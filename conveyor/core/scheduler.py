@@ -58,6 +58,7 @@ class Scheduler(PromptPhase):
         self.running: list[Request] = []     # sorted by sort_key
         self._finished_ids: list[str] = []   # since the last plan
         self._wait_causes: dict[str, str] = {}
+        self.last_served: dict[str, int] = {}   # request id -> tokens the last plan computed for it
         self._line_cause = "budget"
         self._arrivals = 0
         self.num_preemptions = 0
@@ -195,6 +196,7 @@ class Scheduler(PromptPhase):
 
     def _plan(self, rows: list[ScheduledRow], preempted: list[str]) -> StepPlan:
         self._note_wait_causes(rows)
+        self.last_served = {row.request_id: row.num_tokens for row in rows}
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
 

@@ -306,7 +306,7 @@ class EngineCore:
         now_s = self.clock() if self.snapshots.interval_s is not None else 0.0   # unwatched: not even the clock
         if self.snapshots.is_due(now_s, not self.has_unfinished_requests()):
             outputs.snapshot = take_snapshot(now_s, self.scheduler.running, self.scheduler.waiting, self.blocks,
-                                             self._compiling.values())
+                                             self._compiling.values(), self.scheduler.last_served)
         return outputs
 
     def _run(self, plan: StepPlan, drafts: _DraftTally) -> list[TokenDelta]:
@@ -377,4 +377,5 @@ class EngineCore:
             num_accepted_tokens=request.num_accepted_tokens,
             tenant=request.tenant,
             max_tokens=request.max_tokens,
+            queue_s_by_cause=dict(request.queue_s_by_cause),
         )

@@ -106,6 +106,7 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     tenant: str = ""
     max_tokens: int = 0              # resolved: what the request was allowed to generate
+    queue_s_by_cause: dict[str, float] = field(default_factory=dict)   # queue time split by core.request.WAIT_CAUSES
 
     @property
     def queue_time_s(self) -> float | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from conveyor.core.request import WAIT_CAUSES
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.messages import CoreLoad, StepOutputs, TokenDelta
 from conveyor.engine.stats import EngineStats, StepStats
@@ -70,6 +71,7 @@ CONVEYOR_METRIC_NAMES = (
     "conveyor:decode_throughput_tokens_per_second",
     "conveyor:avg_sequences_per_step",
     "conveyor:step_time_seconds",
+    "conveyor:request_queue_time_by_cause_seconds",
     "conveyor:batch_config_info",
 )
 METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
@@ -193,6 +195,12 @@ class ServerMetrics:
                                        "Time from arrival to first being scheduled, per tenant.", tenant_labels,
                                        buckets=_REQUEST_BUCKETS, registry=r)
         self._tenant_labels: set[str] = set()
+        # Every finished request observes each cause (0 where it never waited for it): _sum / _count compare.
+        by_cause = Histogram("conveyor:request_queue_time_by_cause_seconds", "Time from arrival to first being "
+                             "scheduled, split by why: budget, blocks, priority, prefix (waiting for a shared "
+                             "prefix another request is computing).", ["model_name", "cause"],
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self._queue_by_cause = {cause: by_cause.labels(model_name, cause) for cause in WAIT_CAUSES}
         self._model_name = model_name
         # Effective batching settings after preset and flags, as labels of a constant 1 (vLLM's *_info style).
         sched = engine.info.scheduler
@@ -299,6 +307,8 @@ class ServerMetrics:
         if metrics.queue_time_s is not None:
             self.queue_time.observe(metrics.queue_time_s)
             self._tenant_queue.labels(self._model_name, tenant).observe(metrics.queue_time_s)
+            for cause, histogram in self._queue_by_cause.items():
+                histogram.observe(metrics.queue_s_by_cause.get(cause, 0.0))
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:
