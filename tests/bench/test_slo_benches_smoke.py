@@ -65,3 +65,17 @@ def test_interference_splits_the_gaps_at_the_long_prompt(tmp_path: Path, streams
     assert fig["num_gaps_control"] == fig["num_gaps_during"]
     assert fig["p99_ratio_to_control"] == pytest.approx(fig["itl_during_ms"]["p99"]
                                                         / fig["itl_control_same_tokens_ms"]["p99"])
+
+
+def test_head_of_line_times_the_short_request_and_the_long_prompt_alone_and_not(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bench", "head-of-line", "--threads", "1", "--long-prompt", "96",
+           "--short-prompt", "4", "--short-tokens", "2", "--delay-s", "0.05", "--out-dir", str(tmp_path),
+           "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("head-of-line-*.json")
+    document = json.loads(path.read_text())
+    assert document["command"].startswith("python -m bench head-of-line")
+    assert document["short_ttft_s"] > 0 and document["long_ttft_alone_s"] > 0
+    assert document["long_ttft_ratio"] == pytest.approx(document["long_ttft_with_short_s"]
+                                                        / document["long_ttft_alone_s"])
