@@ -43,6 +43,22 @@ def test_capacity_climbs_the_ladder_and_reports_attainment(tmp_path: Path) -> No
     assert document["summary"]["conveyor"]["capacity_req_s"] == 4.0
 
 
+def test_capacity_of_a_mixed_workload_reports_each_class(tmp_path: Path) -> None:
+    # A 1 ms TTFT target for documents: no document meets it, every chat meets its 60 s one.
+    document = _run(["capacity", "--rates", "2", "--rung-s", "4", "--refine", "0", "--min-requests", "8",
+                     "--min-prompt", "8", "--max-prompt", "16", "--output-tokens", "4", "--tpot-ms", "60000",
+                     "--ttft-ms", "60000", "--documents", "0.5", "--doc-min-prompt", "100", "--doc-max-prompt",
+                     "200", "--doc-ttft-ms", "1"], tmp_path, "capacity-*.json")
+    (rung,) = document["results"]["conveyor"]["conveyor"]["rungs"]
+    chat, docs = rung["classes"]["chat"], rung["classes"]["document"]
+    assert chat["num_requests"] + docs["num_requests"] == rung["num_requests"] == 8
+    assert chat["num_requests"] and docs["num_requests"] and rung["failed"] == 0
+    assert chat["meets_slo"] and docs["attainment"] == 0.0 and not rung["meets_slo"]
+    assert docs["prompt_tokens"] / docs["num_requests"] >= 100 > 16 >= chat["prompt_tokens"] / chat["num_requests"]
+    assert document["summary"]["conveyor"]["capacity_by_class_req_s"] == {"chat": 2.0, "document": 0.0}
+    assert document["summary"]["conveyor"]["capacity_req_s"] == 0.0
+
+
 def test_capacity_is_the_highest_rung_that_met_the_slo() -> None:
     rungs = [{"rate_req_s": 0.5, "meets_slo": True}, {"rate_req_s": 1.0, "meets_slo": False},
              {"rate_req_s": 1.4, "meets_slo": True}, {"rate_req_s": 2.0, "meets_slo": False}]
