@@ -107,8 +107,8 @@ def test_preemption(prompts, alone) -> None:
 def test_short_prompts_go_ahead_of_a_long_prompts_chunks(prompts, alone) -> None:
     """Shorter prompts that arrive while a long one is computed in chunks are admitted ahead of its
     next chunk; same tokens as alone."""
-    longest = max(range(len(prompts)), key=lambda i: len(alone[i].prompt_token_ids))
-    others = [i for i in range(len(prompts)) if i != longest]
+    by_length = sorted(range(len(prompts)), key=lambda i: len(alone[i].prompt_token_ids))
+    longest, others = by_length[-1], by_length[:5]
     # The target cuts the long chunk in the steps that carry a short prompt's first token.
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=64, min_prefill_chunk=8, kv_cache_memory="512MiB",
               target_itl_ms=50.0, enable_prefix_caching=False)
@@ -123,8 +123,8 @@ def test_short_prompts_go_ahead_of_a_long_prompts_chunks(prompts, alone) -> None
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    for i, a in enumerate(alone):
-        assert tokens[f"r{i}"] == a.token_ids, f"prompt {i} differs"
+    for i in [longest, *others]:
+        assert tokens[f"r{i}"] == alone[i].token_ids, f"prompt {i} differs"
     second = [row.request_id for row in plans[1].rows]
     assert second[-1] == f"r{longest}" and len(second) > 1 and not plans[1].rows[-1].is_sampling
 
