@@ -236,10 +236,9 @@ class PrefillBudget:
                 num = min(num, max(long_fit, 1))
         return num
 
-    def take(self, start_position: int, num_wanted: int, is_long: bool = False, at_least: int = 0) -> int:
-        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`; never fewer
-        than `at_least` (a share held back for it earlier in the step) while it wants them."""
-        num = max(self.peek(start_position, num_wanted, is_long), min(at_least, num_wanted))
+    def take(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
+        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`."""
+        num = self.peek(start_position, num_wanted, is_long)
         if num <= 0 or self.cost is None:
             return num
         if not self.is_limited:
