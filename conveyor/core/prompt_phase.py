@@ -220,12 +220,13 @@ class PromptPhase:
                 request.queue_mark_s = now_s
 
     def _prefill_budget(self, rows: list[ScheduledRow]) -> PrefillBudget:
-        target_ms, step_ms = self.config.target_itl_ms, self.config.long_prefill_step_ms
-        if self.cost_model is None or target_ms is None:
+        target_ms = self.config.target_itl_ms
+        if target_ms is None:
             return PrefillBudget()
         if not rows:
-            return PrefillBudget(self.cost_model.cost, min_tokens=self.config.min_prefill_chunk,
-                                 long_step_s=None if step_ms is None else step_ms / 1000)
+            return PrefillBudget(long_chunk_tokens=self.config.long_prefill_max_chunk)
+        if self.cost_model is None:
+            return PrefillBudget()
         return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
                              StepShape.from_rows(rows), self.config.long_prefill_max_slowdown)
 

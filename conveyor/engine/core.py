@@ -122,8 +122,8 @@ class EngineCore:
                     sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
                     "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
                     else f"{sched.long_prefill_max_slowdown:g}x its decode time",
-                    "up to the token budget" if sched.long_prefill_step_ms is None or sched.target_itl_ms is None
-                    else f"in about {sched.long_prefill_step_ms:g} ms")
+                    "up to the token budget" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
+                    else f"at most {sched.long_prefill_max_chunk} tokens")
         if proposer is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
                         spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,

@@ -58,15 +58,15 @@ def test_with_a_target_the_step_carrying_a_first_token_is_held_to_it() -> None:
     assert KNOWN.predict_s(StepShape.from_plan(plan).num_tokens, 0) <= 0.050
 
 
-def test_a_long_prompt_alone_steps_in_about_long_prefill_step_ms_so_newcomers_wait_little() -> None:
+def test_a_long_prompt_alone_takes_at_most_long_prefill_max_chunk_so_newcomers_wait_little() -> None:
     def first_chunks(prompt_len: int, **config) -> list[int]:
         sched = make(target_itl_ms=200.0, max_num_batched_tokens=512, **config)
         sched.add(make_request("p", prompt_len=prompt_len, max_tokens=2))
         return [step(sched).num_scheduled_tokens["p"] for _ in range(2)]
 
-    assert first_chunks(2000) == [490, 490]              # 10 ms fixed + 490 tokens at 1 ms = 500 ms
-    assert first_chunks(2000, long_prefill_step_ms=100.0) == [90, 90]
-    assert first_chunks(2000, long_prefill_step_ms=None) == [512, 512]
+    assert first_chunks(2000) == [256, 256]
+    assert first_chunks(2000, long_prefill_max_chunk=100) == [100, 100]
+    assert first_chunks(2000, long_prefill_max_chunk=None) == [512, 512]
     assert first_chunks(500) == [500, 1]                 # not long: the whole prompt at once
 
 
