@@ -16,8 +16,9 @@ max_priority_preemptions times.
 
 A step takes every decode first, then prompts (prompt_phase.py): chunks of prompts already started,
 with waiting prompts shorter than a started one admitted ahead of its chunk, then new prompts; so a
-long prompt never holds back a stream, nor a short prompt that arrives while it is computed. With a cost model and a target inter-token latency, the
-prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
+long prompt never holds back a stream, nor a short prompt that arrives while it is computed. With a
+cost model and a target inter-token latency, the prompt tokens of a step that decodes are cut to
+what fits in the target (`PrefillBudget`).
 
 With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the
 step computes them all and samples at each; `update` keeps the leading drafts the model agreed with
