@@ -93,8 +93,9 @@ def _rung(base_url: str, rate: float, index: int, args: argparse.Namespace, slo:
         fig = rung_figures(run_serving(base_url, requests, rate=rate, seed=seed), slo)
         _print_rung(label, rate, num, fig)
         return fig
-    requests, classes = mixed_workload(num, (args.min_prompt, args.max_prompt), (args.doc_min_prompt, args.doc_max_prompt),
-                                       args.documents, args.output_tokens, vocab_high=vocab_high, seed=seed)
+    requests, classes = mixed_workload(num, (args.min_prompt, args.max_prompt),
+                                       (args.doc_min_prompt, args.doc_max_prompt), args.documents,
+                                       args.output_tokens, vocab_high=vocab_high, seed=seed)
     run = run_serving(base_url, requests, rate=rate, seed=seed)
     slos = {"chat": slo, "document": Slo(args.doc_ttft_ms / 1000, slo.tpot_s, slo.attainment)}
     by_class = {name: rung_figures(ServingRun([r for r, c in zip(run.records, classes) if c == name], run.duration_s,
@@ -224,8 +225,9 @@ def run(args: argparse.Namespace) -> None:
     summary = {name: dict(zip(("best", "capacity_req_s"), best(configs))) for name, configs in results.items()}
     if args.documents:
         for name, configs in results.items():   # each class's best over the system's configurations
-            summary[name]["capacity_by_class_req_s"] = {
-                c: max(config["capacity_by_class_req_s"][c] for config in configs.values()) for c in ("chat", "document")}
+            summary[name]["capacity_by_class_req_s"] = {c: max(config["capacity_by_class_req_s"][c]
+                                                             for config in configs.values())
+                                                         for c in ("chat", "document")}
     if "conveyor" in summary and "llama-server" in summary and summary["llama-server"]["capacity_req_s"] > 0:
         summary["ratio"] = summary["conveyor"]["capacity_req_s"] / summary["llama-server"]["capacity_req_s"]
     for name, s in summary.items():
