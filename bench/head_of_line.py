@@ -52,8 +52,9 @@ async def _measure(base_url: str, args: argparse.Namespace, vocab_high: int, see
 def run(args: argparse.Namespace) -> dict:
     from bench.limits import model_arch
 
-    if args.conveyor_root:
-        os.environ["PYTHONPATH"] = str(args.conveyor_root)   # the server's conveyor, not this tree's
+    root = args.conveyor_root.resolve() if args.conveyor_root else None
+    if root is not None:
+        os.environ["PYTHONPATH"] = str(root)   # the server's conveyor, not this tree's
     model, _, _ = servers.resolve_systems(argparse.Namespace(**{**vars(args), "systems": "conveyor"}))
     vocab_high = min(40_000, model_arch(str(model)).vocab_size)
     port = servers.free_port()
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
                                    extra=shlex.split(args.conveyor_args))
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {model.name}; a {args.short_prompt}-token "
           f"request {args.delay_s} s after a {args.long_prompt}-token prompt", flush=True)
-    with servers.launched(cmd, port, args.log_dir / "conveyor.log") as server:
+    with servers.launched(cmd, port, args.log_dir / "conveyor.log", cwd=root) as server:
         warm = argparse.Namespace(**{**vars(args), "long_prompt": min(args.long_prompt, 1024), "delay_s": 0.5})
         asyncio.run(_measure(server.base_url, warm, vocab_high, args.seed + 100, with_short=True))
         alone = asyncio.run(_measure(server.base_url, args, vocab_high, args.seed, with_short=False))
@@ -86,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-tokens", type=int, default=16, help="the short request's max_tokens")
     p.add_argument("--delay-s", type=float, default=2.0, help="seconds between the long prompt and the short one")
     p.add_argument("--conveyor-root", type=Path, default=None,
-                   help="run the server from this source tree (PYTHONPATH), e.g. for a before/after pair")
+                   help="run the server from this source tree (its directory and PYTHONPATH), e.g. for a "
+                        "before/after pair")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
