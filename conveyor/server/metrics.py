@@ -206,12 +206,14 @@ class ServerMetrics:
         sched = engine.info.scheduler
         Gauge("conveyor:batch_config_info", "Effective batching settings (preset and flags applied).",
               labels + ["target_itl_ms", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk",
-                        "long_prefill_token_threshold", "long_prefill_max_slowdown"],
+                        "long_prefill_token_threshold", "long_prefill_max_slowdown", "long_prefill_max_chunk"],
               registry=r).labels(model_name, "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g}",
                                  str(sched.max_num_seqs), str(sched.max_num_batched_tokens),
                                  str(sched.min_prefill_chunk), str(sched.long_prefill_threshold),
                                  "off" if sched.long_prefill_max_slowdown is None
-                                 else f"{sched.long_prefill_max_slowdown:g}").set(1)
+                                 else f"{sched.long_prefill_max_slowdown:g}",
+                                 "off" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
+                                 else str(sched.long_prefill_max_chunk)).set(1)
         info = engine.info
         Gauge("vllm:cache_config_info", "KV cache settings, as labels of a constant 1.",
               labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],

@@ -60,3 +60,9 @@ def test_queue_time_by_cause_adds_up_to_the_queue_time(server: RunningServer) ->
     by_cause = {cause: values[(f"{BY_CAUSE}_sum", cause)] for cause in WAIT_CAUSES}
     assert sum(by_cause.values()) == pytest.approx(total, abs=0.005)
     assert by_cause["prefix"] > 0 and by_cause["budget"] > 0, by_cause
+
+
+def test_batch_config_info_names_the_long_prompt_chunk_cap(server: RunningServer) -> None:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    (line,) = [line for line in text.splitlines() if line.startswith("conveyor:batch_config_info{")]
+    assert 'long_prefill_max_chunk="256"' in line
