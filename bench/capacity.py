@@ -13,6 +13,12 @@ with each `-np` of --llama-parallel (its best is the one with the highest capaci
 are max(--min-requests, rate x --rung-s): the arrivals span about --rung-s seconds, then the rung
 drains. JSON (command, machine, versions, every rung) and a plot of attainment against rate for every
 system go to --out-dir.
+
+With --documents F the workload is mixed: each request is a document (--doc-min-prompt..--doc-max-prompt
+tokens, default 2,000-6,000) with probability F, else a chat (--min-prompt..--max-prompt), e.g.
+`--documents 0.2 --min-prompt 50 --max-prompt 300`. Each class has its own SLO (documents: --doc-ttft-ms
+and the same TPOT); a rung meets the SLO when both classes do, and each class's capacity (the highest
+rate at which it met its own) and figures are reported too.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import report, servers
-from bench.client import run_serving
+from bench.client import ServingRun, run_serving
 from bench.metrics import summarize
-from bench.workloads import offline_workload, warmup_workload
+from bench.workloads import mixed_workload, offline_workload, warmup_workload
 
 DEFAULT_RATES = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
 
@@ -50,9 +56,10 @@ def rung_figures(run, slo: Slo) -> dict:  # noqa: ANN001 - a ServingRun
     return fig
 
 
-def capacity_of(rungs: list[dict]) -> float:
-    """The highest rate whose rung met the SLO's attainment (0 when none did)."""
-    return max((r["rate_req_s"] for r in rungs if r["meets_slo"]), default=0.0)
+def capacity_of(rungs: list[dict], request_class: str | None = None) -> float:
+    """The highest rate whose rung met the SLO's attainment, of all requests or of one class (0 when none did)."""
+    return max((r["rate_req_s"] for r in rungs
+                if (r["classes"][request_class] if request_class else r)["meets_slo"]), default=0.0)
 
 
 def climb(base_url: str, rates: list[float], args: argparse.Namespace, slo: Slo, vocab_high: int,
@@ -80,13 +87,32 @@ def _rung(base_url: str, rate: float, index: int, args: argparse.Namespace, slo:
     num = max(args.min_requests, math.ceil(rate * args.rung_s))
     # Each rung its own prompts (no prefix cache carries over from the last rung), the same for every system.
     seed = args.seed + 1000 * index
-    requests = offline_workload(num, args.min_prompt, args.max_prompt, args.output_tokens,
-                                vocab_high=vocab_high, seed=seed)
-    fig = rung_figures(run_serving(base_url, requests, rate=rate, seed=seed), slo)
+    if not args.documents:
+        requests = offline_workload(num, args.min_prompt, args.max_prompt, args.output_tokens,
+                                    vocab_high=vocab_high, seed=seed)
+        fig = rung_figures(run_serving(base_url, requests, rate=rate, seed=seed), slo)
+        _print_rung(label, rate, num, fig)
+        return fig
+    requests, classes = mixed_workload(num, (args.min_prompt, args.max_prompt),
+                                       (args.doc_min_prompt, args.doc_max_prompt), args.documents,
+                                       args.output_tokens, vocab_high=vocab_high, seed=seed)
+    run = run_serving(base_url, requests, rate=rate, seed=seed)
+    slos = {"chat": slo, "document": Slo(args.doc_ttft_ms / 1000, slo.tpot_s, slo.attainment)}
+    by_class = {name: rung_figures(ServingRun([r for r, c in zip(run.records, classes) if c == name], run.duration_s,
+                                              run.rate, run.max_concurrency), class_slo)
+                for name, class_slo in slos.items()}
+    fig = rung_figures(run, slo)
+    fig["classes"] = by_class
+    fig["meets_slo"] = all(f["meets_slo"] for f in by_class.values() if f["num_requests"])
+    for name, class_fig in by_class.items():
+        _print_rung(f"{label} {name}s", rate, class_fig["num_requests"], class_fig)
+    return fig
+
+
+def _print_rung(label: str, rate: float, num: int, fig: dict) -> None:
     print(f"  {label:24s} {rate:6.2f} req/s x {num:3d}: attainment {fig['attainment']:6.1%}  "
           f"TTFT p50/p90/p99 {_triple(fig['ttft_ms'])} ms  TPOT {_triple(fig['tpot_ms'])} ms  "
           f"ITL p99 {fig['itl_ms']['p99']:.0f} ms  failed {fig['failed']}", flush=True)
-    return fig
 
 
 def _triple(dist: dict) -> str:
@@ -100,7 +126,7 @@ def warm_up(base_url: str, vocab_high: int) -> None:
 def run_system(name: str, args: argparse.Namespace, model: Path, rates: list[float], slo: Slo, vocab_high: int,
                llama: servers.LlamaCpp | None) -> dict:
     """Every configuration of one system: {config label: {"rungs": [...], "capacity_req_s": ...}}."""
-    ctx_per_slot = args.max_prompt + args.output_tokens + 16
+    ctx_per_slot = max(args.max_prompt, args.doc_max_prompt if args.documents else 0) + args.output_tokens + 16
     if name == "conveyor":
         configs = {"conveyor": lambda port: servers.conveyor_command(
             port, model=str(model), threads=args.threads, dtype=None, quantization=None,
@@ -119,6 +145,8 @@ def run_system(name: str, args: argparse.Namespace, model: Path, rates: list[flo
             warm_up(server.base_url, vocab_high)
             rungs = climb(server.base_url, rates, args, slo, vocab_high, label)
         out[label] = {"command": cmd, "rungs": rungs, "capacity_req_s": capacity_of(rungs)}
+        if args.documents:
+            out[label]["capacity_by_class_req_s"] = {name: capacity_of(rungs, name) for name in ("chat", "document")}
         print(f"  {label}: capacity {out[label]['capacity_req_s']:.2f} req/s", flush=True)
     return out
 
@@ -175,6 +203,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-requests", type=int, default=24, help="fewest requests in a rung")
     p.add_argument("--refine", type=int, default=1, help="rungs bisecting between the last met and first missed rate")
     p.add_argument("--llama-parallel", default="4,8,16", help="llama-server -np values searched")
+    p.add_argument("--documents", type=float, default=0.0,
+                   help="share of requests that are documents (a mixed workload; 0 = every request a chat)")
+    p.add_argument("--doc-min-prompt", type=int, default=2000)
+    p.add_argument("--doc-max-prompt", type=int, default=6000)
+    p.add_argument("--doc-ttft-ms", type=float, default=20000.0, help="the documents' TTFT target")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -190,13 +223,21 @@ def run(args: argparse.Namespace) -> None:
           f"prompts {args.min_prompt}-{args.max_prompt} tokens, {args.output_tokens} out", flush=True)
     results = {name: run_system(name, args, model, rates, slo, vocab_high, llama) for name in chosen}
     summary = {name: dict(zip(("best", "capacity_req_s"), best(configs))) for name, configs in results.items()}
+    if args.documents:
+        for name, configs in results.items():   # each class's best over the system's configurations
+            summary[name]["capacity_by_class_req_s"] = {c: max(config["capacity_by_class_req_s"][c]
+                                                             for config in configs.values())
+                                                         for c in ("chat", "document")}
     if "conveyor" in summary and "llama-server" in summary and summary["llama-server"]["capacity_req_s"] > 0:
         summary["ratio"] = summary["conveyor"]["capacity_req_s"] / summary["llama-server"]["capacity_req_s"]
     for name, s in summary.items():
-        print(f"{name}: {s}" if name == "ratio" else f"{name}: capacity {s['capacity_req_s']:.2f} req/s ({s['best']})")
+        print(f"{name}: {s}" if name == "ratio" else f"{name}: capacity {s['capacity_req_s']:.2f} req/s ({s['best']})"
+              + (f", by class {s['capacity_by_class_req_s']}" if "capacity_by_class_req_s" in s else ""))
     out = report.save_run("capacity", args.out_dir, {
         "model": str(model), "threads": args.threads, "rates": rates, "slo": vars(slo),
-        "workload": {"min_prompt": args.min_prompt, "max_prompt": args.max_prompt,
+        "workload": {"min_prompt": args.min_prompt, "max_prompt": args.max_prompt, "documents": args.documents,
+                     "doc_min_prompt": args.doc_min_prompt, "doc_max_prompt": args.doc_max_prompt,
+                     "doc_ttft_ms": args.doc_ttft_ms,
                      "output_tokens": args.output_tokens, "rung_s": args.rung_s,
                      "min_requests": args.min_requests, "refine": args.refine, "seed": args.seed},
         "llama_commit": llama.commit() if llama else None, "summary": summary, "results": results})

@@ -94,13 +94,15 @@ class Launched:
 
 @contextlib.contextmanager
 def launched(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float = 180.0,
-             poll_s: float = 0.25, memory_interval_s: float | None = None) -> Iterator[Launched]:
-    """`poll_s`: how often /health is asked while starting (the resolution of `startup_s`)."""
+             poll_s: float = 0.25, memory_interval_s: float | None = None,
+             cwd: Path | None = None) -> Iterator[Launched]:
+    """`poll_s`: how often /health is asked while starting (the resolution of `startup_s`); `cwd`: the
+    server's working directory (`python -m` imports from it first)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         start = time.perf_counter()
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=cwd)
         memory = PeakRss(process.pid, memory_interval_s).start() if memory_interval_s else None
         base_url = f"http://127.0.0.1:{port}"
         try:

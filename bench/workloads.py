@@ -34,6 +34,22 @@ def offline_workload(num_requests: int = 64, min_prompt: int = 100, max_prompt: 
     ]
 
 
+def mixed_workload(num_requests: int, chat_prompt: tuple[int, int], document_prompt: tuple[int, int],
+                   document_share: float, output_tokens: int, vocab_low: int = 100, vocab_high: int = 40000,
+                   seed: int = 0) -> tuple[list[OfflineRequest], list[str]]:
+    """Chats and documents in a seeded order (each request a document with probability document_share),
+    prompt lengths uniform in each class's (min, max); the requests and each one's class."""
+    rng = random.Random(seed)
+    requests, classes = [], []
+    for _ in range(num_requests):
+        is_document = rng.random() < document_share
+        low, high = document_prompt if is_document else chat_prompt
+        requests.append(OfflineRequest([rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(low, high))],
+                                       output_tokens))
+        classes.append("document" if is_document else "chat")
+    return requests, classes
+
+
 def arrival_times(num_requests: int, rate: float | None, seed: int = 0) -> list[float]:
     """Seconds after the start at which each request is sent: a Poisson process at `rate` requests/s,
     or all at t=0 when rate is None or infinite (a fixed-concurrency run decides its own pacing)."""

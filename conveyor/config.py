@@ -144,6 +144,10 @@ class SchedulerConfig:
     # target ITL, as the cap is a latency policy too.
     long_prefill_token_threshold: int | None = None
     long_prefill_max_slowdown: float | None = 1.0
+    # With nothing decoding, a long prompt's chunk takes at most this many tokens, so a request that
+    # arrives meanwhile waits for a shorter step than a whole max_num_batched_tokens one (None: no
+    # cap). Only with a target ITL, as a latency policy.
+    long_prefill_max_chunk: int | None = 256
     # Fair sharing: a tenant's share of admissions is proportional to its weight (default 1); a
     # tenant runs at most max_running_per_tenant requests at once (None = no cap).
     tenant_weights: tuple[tuple[str, float], ...] = ()
@@ -169,6 +173,7 @@ class SchedulerConfig:
         ):
             raise ValueError(f"long_prefill_max_slowdown must be a positive fraction of a step's decode time or "
                              f"None (off), got {self.long_prefill_max_slowdown!r}")
+        _positive("long_prefill_max_chunk", self.long_prefill_max_chunk, allow_none=True)
         if self.target_itl_ms is not None and (
             isinstance(self.target_itl_ms, bool) or not isinstance(self.target_itl_ms, (int, float))
             or not 0 < self.target_itl_ms < float("inf")

@@ -64,6 +64,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prefill-max-slowdown", type=float, default=None,
                        help="while others decode, a long prompt's chunks lengthen a step by at most this fraction "
                             "of its decode time; 0 = no cap (default: 1.0)")
+    group.add_argument("--long-prefill-max-chunk", type=int, default=None,
+                       help="with nothing decoding, a long prompt's chunk takes at most this many tokens, so a "
+                            "request arriving meanwhile waits for a shorter step; 0 = no cap (default: 256; only "
+                            "with a target ITL)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ModelConfig.tensor_parallel_size,
                        help="split every layer over this many processes (gloo, on this machine); it pays where a "
                             "model does not fit one process's memory or there are more cores than one rank uses")
@@ -162,6 +166,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         **_given(args, "long_prefill_token_threshold"),
         **({} if args.long_prefill_max_slowdown is None
            else {"long_prefill_max_slowdown": args.long_prefill_max_slowdown or None}),
+        **({} if args.long_prefill_max_chunk is None
+           else {"long_prefill_max_chunk": args.long_prefill_max_chunk or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,

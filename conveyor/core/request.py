@@ -17,6 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Why a request not yet started was passed over in a step: the step's token budget, latency target or
+# batch size was spent; the KV blocks were short; a better priority or another tenant's turn came
+# first; a prompt sharing its prefix is computing that prefix, so it waits to reuse it.
+WAIT_CAUSES = ("budget", "blocks", "priority", "prefix")
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # an end token, a stop token or a stop string
     LENGTH = "length"    # max_tokens or the model length
@@ -54,6 +60,9 @@ class Request:
     num_accepted_tokens: int = 0
     draft_acceptance: float = 0.5        # recent share of draft tokens accepted (moving average)
     first_scheduled_s: float | None = None
+    wait_cause: str = "budget"           # why the last step passed it over (WAIT_CAUSES)
+    queue_s_by_cause: dict[str, float] = field(default_factory=dict)   # time before its first step, by cause
+    queue_mark_s: float | None = None    # queue time is counted up to here
     first_token_s: float | None = None
     last_token_s: float | None = None
     finished_s: float | None = None

@@ -13,9 +13,11 @@ Within a priority level, new requests are admitted in turns between tenants (fai
 a tenant. A waiting request with a better priority than a running one takes its place when the batch
 or the KV cache is full: the running one is preempted (tokens kept), at most max_priority_preemptions times.
 
-A step takes every decode first, then chunks of prompts already started, then new prompts, so a
-long prompt never holds back a stream. With a cost model and a target inter-token latency, the
-prompt tokens of a step that decodes are cut to what fits in the target (`PrefillBudget`).
+A step takes every decode first, then prompts (prompt_phase.py): chunks of prompts already started,
+with waiting prompts shorter than a started one admitted ahead of its chunk, then new prompts; so a
+long prompt never holds back a stream, nor a short prompt that arrives while it is computed. With a
+cost model and a target inter-token latency, the prompt tokens of a step that decodes are cut to
+what fits in the target (`PrefillBudget`).
 
 With a proposer (speculative decoding), a decode may carry draft tokens after its one new token: the step
 computes them all and samples at each; `update` keeps the leading drafts the model agreed with and gives
@@ -33,13 +35,14 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.fairness import TenantShares
 from conveyor.core.plan import RequestUpdate, ScheduledRow, StepPlan, StepResult
+from conveyor.core.prompt_phase import PromptPhase
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.speculative import Proposer, worth_drafting
-from conveyor.core.step_cost import PrefillBudget, StepCostModel, StepShape
+from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.errors import InvalidRequest
 
 
-class Scheduler:
+class Scheduler(PromptPhase):
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic, cost_model: StepCostModel | None = None,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
@@ -54,6 +57,9 @@ class Scheduler:
         self.waiting: list[Request] = []     # sorted by sort_key
         self.running: list[Request] = []     # sorted by sort_key
         self._finished_ids: list[str] = []   # since the last plan
+        self._wait_causes: dict[str, str] = {}
+        self.last_served: dict[str, int] = {}   # request id -> tokens the last plan computed for it
+        self._line_cause = "budget"
         self._arrivals = 0
         self.num_preemptions = 0
         self.shares = TenantShares(dict(config.tenant_weights))
@@ -104,6 +110,8 @@ class Scheduler:
     # ------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan:
+        self._charge_queue_time(self.clock())
+        self._wait_causes, self._line_cause = {}, "budget"
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
@@ -127,52 +135,7 @@ class Scheduler:
         if self.num_speculative_tokens and rows:
             budget = self._add_drafts(rows, budget)
 
-        chunks = [r for r in self.running if r.request_id not in scheduled]
-        if not (chunks or self.waiting) or budget == 0:
-            return self._plan(rows, preempted)
-        prefill = self._prefill_budget(rows)
-        for request in chunks:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            start = request.num_computed_tokens
-            num_new = prefill.take(start, request.max_chunk(start, budget), self._is_long(request))
-            if num_new == 0:
-                return self._plan(rows, preempted)
-            if not self._make_room(request, start + num_new, scheduled, preempted):
-                # Never preempt a decode already in the step: take what the free blocks hold and stop here.
-                room = self.blocks.capacity(request) - start
-                if room > 0:
-                    self._schedule_running(request, min(room, num_new), rows, scheduled)
-                return self._plan(rows, preempted)
-            self._schedule_running(request, num_new, rows, scheduled)
-            budget -= num_new
-
-        # New requests join only when no running request had to give up its blocks for another's decode.
-        while (self.waiting and budget > 0 and len(preempted) == num_priority_preempted
-               and len(self.running) < self.config.max_num_seqs):
-            request = self._next_waiting()
-            if request is None or request.request_id in preempted:   # a victim waits at least a step
-                break
-            cached_ids = self.blocks.find_cached_blocks(request)  # waiting requests hold no KV
-            num_cached = len(cached_ids) * self.blocks.block_size
-            num_new = prefill.take(num_cached, request.max_chunk(num_cached, budget), self._is_long(request))
-            if num_new == 0 or not self.blocks.can_allocate(request, num_cached + num_new, cached_ids):
-                break
-            self.waiting.remove(request)
-            self.blocks.allocate(request, num_cached + num_new, cached_ids)
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.shares.started(request.tenant, 1)
-            if request.first_scheduled_s is None:
-                # Only a first admission counts: a resumed request hitting its own blocks is no prompt hit.
-                request.first_scheduled_s = self.clock()
-                request.num_cached_tokens = num_cached
-                self.shares.charge(request.tenant, prompt_tokens=request.num_prompt_tokens - num_cached)
-                if self.blocks.enable_prefix_caching:
-                    self.blocks.record_lookup(request.num_tokens, num_cached, cached_ids)
-            bisect.insort(self.running, request, key=lambda r: r.sort_key)
-            rows.append(self._row(request, num_new))
-            budget -= num_new
+        self._schedule_prompts(rows, scheduled, preempted, num_priority_preempted, budget)
         return self._plan(rows, preempted)
 
     def update(self, plan: StepPlan, sampled: Iterable[Sequence[int]]) -> StepResult:
@@ -232,18 +195,10 @@ class Scheduler:
     # ------------------------------------------------------------ internals
 
     def _plan(self, rows: list[ScheduledRow], preempted: list[str]) -> StepPlan:
+        self._note_wait_causes(rows)
+        self.last_served = {row.request_id: row.num_tokens for row in rows}
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=tuple(rows), preempted_ids=tuple(preempted), finished_ids=tuple(finished))
-
-    def _prefill_budget(self, rows: list[ScheduledRow]) -> PrefillBudget:
-        target_ms = self.config.target_itl_ms
-        if self.cost_model is None or target_ms is None or not rows:
-            return PrefillBudget()
-        return PrefillBudget(self.cost_model.cost, target_ms / 1000, self.config.min_prefill_chunk,
-                             StepShape.from_rows(rows), self.config.long_prefill_max_slowdown)
-
-    def _is_long(self, request: Request) -> bool:
-        return request.num_prompt_tokens > self.config.long_prefill_threshold
 
     def _add_drafts(self, rows: list[ScheduledRow], budget: int) -> int:
         """Extend the step's decode rows with draft tokens; returns the token budget left.
@@ -290,44 +245,6 @@ class Scheduler:
                                    is_sampling=True, is_prefill=False, num_draft_tokens=granted)
             budget -= granted
         return budget
-
-    def _next_waiting(self) -> Request | None:
-        """The next request to admit: of the best priority waiting, the head of the least-served
-        tenant's queue; a tenant at its running cap is passed over. None if every tenant is capped."""
-        cap = self.config.max_running_per_tenant
-        if cap is None and len(self.shares.live) <= 1:
-            return self.waiting[0]
-        best: Request | None = None
-        seen: set[str] = set()
-        for request in self.waiting:
-            if best is not None and request.priority != best.priority:
-                break
-            tenant = request.tenant
-            if tenant in seen:
-                continue
-            seen.add(tenant)
-            if cap is not None and self.shares.running.get(tenant, 0) >= cap:
-                continue
-            if best is None or self.shares.counter(tenant) < self.shares.counter(best.tenant):
-                best = request
-        return best
-
-    def _preempt_for_priority(self, preempted: list[str]) -> None:
-        """Make room for the best waiting request by preempting running ones of a worse priority,
-        when the batch is full or the KV cache cannot take its first chunk. A request preempted
-        max_priority_preemptions times is not picked again, so it cannot starve (a background one may be)."""
-        if not self.waiting or not self.running or self.waiting[0].priority >= self.running[-1].priority:
-            return
-        candidate = self.waiting[0]
-        first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
-        while (len(self.running) >= self.config.max_num_seqs
-               or not self.blocks.can_allocate(candidate, first_chunk)):
-            victim = next((r for r in reversed(self.running) if r.priority > candidate.priority
-                           and (r.is_background or r.num_preemptions < self.config.max_priority_preemptions)), None)
-            if victim is None:
-                return
-            self._preempt(victim)
-            preempted.append(victim.request_id)
 
     def _make_room(self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]) -> bool:
         """Preempt lower-priority running requests not yet in this step until `request` can grow to

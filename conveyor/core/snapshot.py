@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
@@ -49,6 +49,8 @@ class RequestRow:
     num_cached_tokens: int       # prompt tokens found in the prefix cache at admission
     num_preemptions: int
     num_blocks: int
+    num_step_tokens: int = 0         # tokens the last step computed for it
+    wait_cause: str | None = None    # never scheduled yet: why the last step passed it over (WAIT_CAUSES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,8 @@ class BatchSnapshot:
     num_prefix_hit_tokens: int
 
 
-def row_of(request: Request) -> RequestRow:
+def row_of(request: Request, served: Mapping[str, int], is_scheduled: bool = True) -> RequestRow:
+    """`is_scheduled`: the scheduler holds it (a request whose grammar compiles has no wait cause yet)."""
     if request.status is RequestStatus.RUNNING:
         # A decode has exactly one token left to compute; more means a prompt (or a resume) in progress.
         state = RowState.DECODING if request.num_tokens - request.num_computed_tokens <= 1 else RowState.PREFILLING
@@ -76,7 +79,9 @@ def row_of(request: Request) -> RequestRow:
         num_output_tokens=len(request.output_token_ids), max_tokens=request.max_tokens,
         priority=request.priority, tenant=request.tenant, arrival_s=request.arrival_s,
         first_token_s=request.first_token_s, num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions, num_blocks=len(request.block_table))
+        num_preemptions=request.num_preemptions, num_blocks=len(request.block_table),
+        num_step_tokens=served.get(request.request_id, 0),
+        wait_cause=request.wait_cause if is_scheduled and request.first_scheduled_s is None else None)
 
 
 def block_states(blocks: BlockManager) -> bytes:
@@ -85,10 +90,13 @@ def block_states(blocks: BlockManager) -> bytes:
 
 
 def take_snapshot(now_s: float, running: Sequence[Request], waiting: Sequence[Request], blocks: BlockManager,
-                  more_waiting: Iterable[Request] = ()) -> BatchSnapshot:
-    """`more_waiting`: requests the scheduler does not hold yet (grammars still compiling)."""
+                  more_waiting: Iterable[Request] = (), served: Mapping[str, int] | None = None) -> BatchSnapshot:
+    """`more_waiting`: requests the scheduler does not hold yet (grammars still compiling); `served`:
+    request id -> tokens the last step computed for it."""
     queued = [*waiting, *more_waiting]
-    rows = [row_of(r) for r in running] + [row_of(r) for r in queued[:MAX_WAITING_ROWS]]
+    served = served or {}
+    rows = [row_of(r, served) for r in running] + [row_of(r, served, i < len(waiting))
+                                                   for i, r in enumerate(queued[:MAX_WAITING_ROWS])]
     return BatchSnapshot(time_s=now_s, rows=tuple(rows), num_running=len(running), num_waiting=len(queued),
                          block_states=block_states(blocks), num_prefix_query_tokens=blocks.num_query_tokens,
                          num_prefix_hit_tokens=blocks.num_hit_tokens)

@@ -201,31 +201,47 @@ class PrefillBudget:
     Chunks of long prompts (`take(..., is_long=True)`) share a second, smaller allowance: at most
     `long_slowdown` times the step's predicted decode time, and at least one token a step, so a long
     prefill lengthens every decoding step by a bounded fraction instead of stalling the streams.
-    With no decodes nobody waits on this step's latency: chunks are limited only by the caller.
+    With no decodes nobody waits on this step's latency yet, only whoever arrives while it runs:
+    chunks of long prompts share `long_chunk_tokens`, others are limited only by the caller. (A
+    token count, not a time: small chunks are slower per token than the fitted cost says, and a time
+    cap would shrink them further on every step.)
     """
 
     def __init__(self, cost: StepCost | None = None, target_s: float | None = None, min_tokens: int = 0,
-                 decodes: StepShape | None = None, long_slowdown: float | None = None) -> None:
+                 decodes: StepShape | None = None, long_slowdown: float | None = None,
+                 long_chunk_tokens: int | None = None) -> None:
         self.cost = cost
         self.is_limited = cost is not None and target_s is not None and decodes is not None and decodes.num_tokens > 0
         decode_s = cost.predict_s(decodes.num_tokens, decodes.num_context_tokens, decodes.num_sampling_rows) \
             if self.is_limited else 0.0
         self.time_left_s = target_s - decode_s if self.is_limited else math.inf
         self.long_time_left_s = long_slowdown * decode_s if self.is_limited and long_slowdown else math.inf
+        self.long_alone_left = long_chunk_tokens if long_chunk_tokens is not None and not self.is_limited \
+            else math.inf
         self.floor_left = min_tokens
 
-    def take(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
-        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`."""
+    def peek(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
+        """What `take` would grant now, granting nothing."""
         if num_wanted <= 0:
             return 0
         if not self.is_limited:
-            return num_wanted
+            return min(num_wanted, self.long_alone_left) if is_long else num_wanted
         fit = self.cost.max_chunk(start_position, self.time_left_s)
         num = num_wanted if fit is None else min(num_wanted, max(fit, self.floor_left))
         if is_long and self.long_time_left_s < math.inf:
             long_fit = self.cost.max_chunk(start_position, self.long_time_left_s)
             if long_fit is not None:
                 num = min(num, max(long_fit, 1))
+        return num
+
+    def take(self, start_position: int, num_wanted: int, is_long: bool = False) -> int:
+        """Tokens granted to a chunk starting at `start_position` that wants `num_wanted`."""
+        num = self.peek(start_position, num_wanted, is_long)
+        if not self.is_limited or num <= 0:
+            if is_long:
+                self.long_alone_left -= num
+            return num
+        if is_long and self.long_time_left_s < math.inf:
             self.long_time_left_s -= self.cost.chunk_s(start_position, num)
         self.time_left_s -= self.cost.chunk_s(start_position, num)
         self.floor_left = max(self.floor_left - num, 0)

@@ -109,11 +109,13 @@ class EngineCore:
                     self.max_model_len)
         sched = config.scheduler
         logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d, "
-                    "long prompts (over %d tokens) lengthen a decoding step by at most %s",
+                    "long prompts (over %d tokens) lengthen a decoding step by at most %s, step alone %s",
                     "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
                     sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
                     "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
-                    else f"{sched.long_prefill_max_slowdown:g}x its decode time")
+                    else f"{sched.long_prefill_max_slowdown:g}x its decode time",
+                    "up to the token budget" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
+                    else f"at most {sched.long_prefill_max_chunk} tokens")
         if proposer is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
                         spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
@@ -321,7 +323,7 @@ class EngineCore:
         now_s = self.clock() if self.snapshots.interval_s is not None else 0.0   # unwatched: not even the clock
         if self.snapshots.is_due(now_s, not self.has_unfinished_requests()):
             outputs.snapshot = take_snapshot(now_s, self.scheduler.running, self.scheduler.waiting, self.blocks,
-                                             self._compiling.values())
+                                             self._compiling.values(), self.scheduler.last_served)
         return outputs
 
     def _run(self, plan: StepPlan, drafts: DraftTally) -> list[TokenDelta]:

@@ -109,6 +109,7 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     tenant: str = ""
     max_tokens: int = 0              # resolved: what the request was allowed to generate
+    queue_s_by_cause: dict[str, float] = field(default_factory=dict)   # queue time split by core.request.WAIT_CAUSES
 
     @classmethod
     def of(cls, request: Request) -> RequestMetrics:
@@ -116,7 +117,7 @@ class RequestMetrics:
         return cls(request.arrival_s, request.first_scheduled_s, request.first_token_s, request.finished_s,
                    request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
                    request.num_preemptions, request.num_draft_tokens, request.num_accepted_tokens,
-                   request.tenant, request.max_tokens)
+                   request.tenant, request.max_tokens, dict(request.queue_s_by_cause))
 
     @property
     def queue_time_s(self) -> float | None:

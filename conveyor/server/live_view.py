@@ -235,7 +235,8 @@ class LiveView:
                          "output": row.num_output_tokens, "max_tokens": row.max_tokens,
                          "tokens_per_s": None if rate is None else round(rate, 1), "priority": row.priority,
                          "tenant": row.tenant, "age_s": round(snapshot.time_s - row.arrival_s, 2),
-                         "preemptions": row.num_preemptions, "blocks": row.num_blocks})
+                         "preemptions": row.num_preemptions, "blocks": row.num_blocks,
+                         "step_tokens": row.num_step_tokens, "wait_cause": row.wait_cause})
         return {
             "type": "update", "time_s": round(now - self._started_s, 3), "accepting": self.engine.is_accepting,
             "num_running": snapshot.num_running, "num_waiting": snapshot.num_waiting, "rows": rows,

@@ -8,96 +8,33 @@ and runs on the event loop; it also writes the one log line per finished request
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from conveyor.core.request import WAIT_CAUSES
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.messages import CoreLoad, StepOutputs, TokenDelta
 from conveyor.engine.stats import EngineStats, StepStats
 
 logger = logging.getLogger(__name__)
 
-# vLLM's buckets, with finer low ends: a small model on a CPU steps in milliseconds.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-# Metrics vLLM also exports carry its names, so its published Grafana dashboard fills; ours keep
-# a `conveyor:` prefix. Labelled metrics appear once observed: vllm:request_success_total,
-# vllm:spec_decode_num_accepted_tokens_per_pos{position} and conveyor:tenant_* (per tenant).
-VLLM_METRIC_NAMES = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:time_per_output_token_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-    "vllm:request_max_num_generation_tokens",
-    "vllm:request_params_max_tokens",
-    "vllm:iteration_tokens_total",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "vllm:num_preemptions_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "vllm:cache_config_info",
+from conveyor.server.metric_names import (  # noqa: F401  (METRIC_NAMES, MAX_TENANT_LABEL_CHARS: re-exported)
+    ITERATION_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_BUCKETS,
+    STEP_BUCKETS,
+    TTFT_BUCKETS,
+    DEFAULT_TENANT_LABEL,
+    MAX_TENANT_LABEL_CHARS,
+    MAX_TENANT_LABELS,
+    METRIC_NAMES,
+    TENANT_OVERFLOW_LABEL,
+    tenant_label,
 )
-CONVEYOR_METRIC_NAMES = (
-    "conveyor:prefill_throughput_tokens_per_second",
-    "conveyor:decode_throughput_tokens_per_second",
-    "conveyor:avg_sequences_per_step",
-    "conveyor:step_time_seconds",
-    "conveyor:batch_config_info",
-    "conveyor:prefix_cache_disk_read_bytes_total",
-    "conveyor:prefix_cache_disk_written_bytes_total",
-)
-METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
-
-# Tenants are named by clients: the first MAX_TENANT_LABELS get a label of their own, later ones
-# share TENANT_OVERFLOW_LABEL, and each label is at most MAX_TENANT_LABEL_CHARS of [A-Za-z0-9._-],
-# so no client can grow the metrics without bound.
-MAX_TENANT_LABELS = 32
-MAX_TENANT_LABEL_CHARS = 64
-TENANT_OVERFLOW_LABEL = "(other)"
-DEFAULT_TENANT_LABEL = "(default)"
-_LABEL_CHARS = re.compile(r"[A-Za-z0-9._-]+")
-_NOT_LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-_LABEL_DIGEST_CHARS = 16
-
-
-def tenant_label(tenant: str) -> str:
-    """A tenant as a metrics label: itself if short and plain, else its plain part cut short and a
-    digest of the whole, so two long names stay apart."""
-    if len(tenant) <= MAX_TENANT_LABEL_CHARS and _LABEL_CHARS.fullmatch(tenant):
-        return tenant
-    digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:_LABEL_DIGEST_CHARS]
-    plain = _NOT_LABEL_CHARS.sub("_", tenant[:MAX_TENANT_LABEL_CHARS])
-    return f"{plain[:MAX_TENANT_LABEL_CHARS - _LABEL_DIGEST_CHARS - 1]}-{digest}"
 
 
 class ServerMetrics:
@@ -131,24 +68,24 @@ class ServerMetrics:
 
         token_buckets = _one_two_five(engine.info.max_model_len)
         self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Time from arrival to the first output token.", _TTFT_BUCKETS)
+                              "Time from arrival to the first output token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Time between successive output tokens of a request.", _ITL_BUCKETS)
+                             "Time between successive output tokens of a request.", ITL_BUCKETS)
         self.tpot = histogram("vllm:time_per_output_token_seconds",
                               "Time between successive output tokens (vLLM's older name of the inter-token latency).",
-                              _ITL_BUCKETS)
+                              ITL_BUCKETS)
         self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                      "Per request: decode time over output tokens after the first.", _ITL_BUCKETS)
+                                      "Per request: decode time over output tokens after the first.", ITL_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Time from arrival to first being scheduled.", _REQUEST_BUCKETS)
+                                    "Time from arrival to first being scheduled.", REQUEST_BUCKETS)
         self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Time from first being scheduled to the first output token.", _REQUEST_BUCKETS)
+                                      "Time from first being scheduled to the first output token.", REQUEST_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Time from the first output token to the last.", _REQUEST_BUCKETS)
+                                     "Time from the first output token to the last.", REQUEST_BUCKETS)
         self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Time from first being scheduled to the last output token.", _REQUEST_BUCKETS)
+                                        "Time from first being scheduled to the last output token.", REQUEST_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Time from arrival to the last output token, of finished requests.", _REQUEST_BUCKETS)
+                             "Time from arrival to the last output token, of finished requests.", REQUEST_BUCKETS)
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
                                         token_buckets)
         self.request_generation = histogram("vllm:request_generation_tokens", "Output tokens per finished request.",
@@ -160,8 +97,8 @@ class ServerMetrics:
                                             "max_tokens of finished requests (resolved against the model length).",
                                             token_buckets)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
-                                          _ITERATION_BUCKETS)
-        self.step_time = histogram("conveyor:step_time_seconds", "Wall time of one engine step.", _STEP_BUCKETS)
+                                          ITERATION_BUCKETS)
+        self.step_time = histogram("conveyor:step_time_seconds", "Wall time of one engine step.", STEP_BUCKETS)
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
@@ -203,19 +140,27 @@ class ServerMetrics:
                                           "Output tokens of finished requests per tenant.", tenant_labels, registry=r)
         self._tenant_queue = Histogram("conveyor:tenant_request_queue_time_seconds",
                                        "Time from arrival to first being scheduled, per tenant.", tenant_labels,
-                                       buckets=_REQUEST_BUCKETS, registry=r)
+                                       buckets=REQUEST_BUCKETS, registry=r)
         self._tenant_labels: set[str] = set()
+        # Every finished request observes each cause (0 where it never waited for it): _sum / _count compare.
+        by_cause = Histogram("conveyor:request_queue_time_by_cause_seconds", "Time from arrival to first being "
+                             "scheduled, split by why: budget, blocks, priority, prefix (waiting for a shared "
+                             "prefix another request is computing).", ["model_name", "cause"],
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self._queue_by_cause = {cause: by_cause.labels(model_name, cause) for cause in WAIT_CAUSES}
         self._model_name = model_name
         # Effective batching settings after preset and flags, as labels of a constant 1 (vLLM's *_info style).
         sched = engine.info.scheduler
         Gauge("conveyor:batch_config_info", "Effective batching settings (preset and flags applied).",
               labels + ["target_itl_ms", "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk",
-                        "long_prefill_token_threshold", "long_prefill_max_slowdown"],
+                        "long_prefill_token_threshold", "long_prefill_max_slowdown", "long_prefill_max_chunk"],
               registry=r).labels(model_name, "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g}",
                                  str(sched.max_num_seqs), str(sched.max_num_batched_tokens),
                                  str(sched.min_prefill_chunk), str(sched.long_prefill_threshold),
                                  "off" if sched.long_prefill_max_slowdown is None
-                                 else f"{sched.long_prefill_max_slowdown:g}").set(1)
+                                 else f"{sched.long_prefill_max_slowdown:g}",
+                                 "off" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
+                                 else str(sched.long_prefill_max_chunk)).set(1)
         info = engine.info
         Gauge("vllm:cache_config_info", "KV cache settings, as labels of a constant 1.",
               labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
@@ -316,6 +261,8 @@ class ServerMetrics:
         if metrics.queue_time_s is not None:
             self.queue_time.observe(metrics.queue_time_s)
             self._tenant_queue.labels(self._model_name, tenant).observe(metrics.queue_time_s)
+            for cause, histogram in self._queue_by_cause.items():
+                histogram.observe(metrics.queue_s_by_cause.get(cause, 0.0))
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:

@@ -43,6 +43,22 @@ def test_capacity_climbs_the_ladder_and_reports_attainment(tmp_path: Path) -> No
     assert document["summary"]["conveyor"]["capacity_req_s"] == 4.0
 
 
+def test_capacity_of_a_mixed_workload_reports_each_class(tmp_path: Path) -> None:
+    # A 1 ms TTFT target for documents: no document meets it, every chat meets its 60 s one.
+    document = _run(["capacity", "--rates", "2", "--rung-s", "4", "--refine", "0", "--min-requests", "8",
+                     "--min-prompt", "8", "--max-prompt", "16", "--output-tokens", "4", "--tpot-ms", "60000",
+                     "--ttft-ms", "60000", "--documents", "0.5", "--doc-min-prompt", "100", "--doc-max-prompt",
+                     "200", "--doc-ttft-ms", "1"], tmp_path, "capacity-*.json")
+    (rung,) = document["results"]["conveyor"]["conveyor"]["rungs"]
+    chat, docs = rung["classes"]["chat"], rung["classes"]["document"]
+    assert chat["num_requests"] + docs["num_requests"] == rung["num_requests"] == 8
+    assert chat["num_requests"] and docs["num_requests"] and rung["failed"] == 0
+    assert chat["meets_slo"] and docs["attainment"] == 0.0 and not rung["meets_slo"]
+    assert docs["prompt_tokens"] / docs["num_requests"] >= 100 > 16 >= chat["prompt_tokens"] / chat["num_requests"]
+    assert document["summary"]["conveyor"]["capacity_by_class_req_s"] == {"chat": 2.0, "document": 0.0}
+    assert document["summary"]["conveyor"]["capacity_req_s"] == 0.0
+
+
 def test_capacity_is_the_highest_rung_that_met_the_slo() -> None:
     rungs = [{"rate_req_s": 0.5, "meets_slo": True}, {"rate_req_s": 1.0, "meets_slo": False},
              {"rate_req_s": 1.4, "meets_slo": True}, {"rate_req_s": 2.0, "meets_slo": False}]
@@ -65,3 +81,17 @@ def test_interference_splits_the_gaps_at_the_long_prompt(tmp_path: Path, streams
     assert fig["num_gaps_control"] == fig["num_gaps_during"]
     assert fig["p99_ratio_to_control"] == pytest.approx(fig["itl_during_ms"]["p99"]
                                                         / fig["itl_control_same_tokens_ms"]["p99"])
+
+
+def test_head_of_line_times_the_short_request_and_the_long_prompt_alone_and_not(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bench", "head-of-line", "--threads", "1", "--long-prompt", "96",
+           "--short-prompt", "4", "--short-tokens", "2", "--delay-s", "0.05", "--out-dir", str(tmp_path),
+           "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("head-of-line-*.json")
+    document = json.loads(path.read_text())
+    assert document["command"].startswith("python -m bench head-of-line")
+    assert document["short_ttft_s"] > 0 and document["long_ttft_alone_s"] > 0
+    assert document["long_ttft_ratio"] == pytest.approx(document["long_ttft_with_short_s"]
+                                                        / document["long_ttft_alone_s"])

@@ -81,14 +81,7 @@ def test_chunks_cut_by_a_latency_target(prompts, alone) -> None:
     """A target no step can meet: while anything decodes, prompts move min_prefill_chunk tokens a step."""
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=4096, kv_cache_memory="512MiB", target_itl_ms=0.001,
               min_prefill_chunk=7)
-    plans = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording_schedule():
-        plans.append(schedule())
-        return plans[-1]
-
-    llm.engine.scheduler.schedule = recording_schedule
+    plans = record_plans(llm)
     # Staggered lengths free the 4 slots at different steps, so prompts start while others decode.
     lengths = [NUM_TOKENS - 5 * (i % 4) for i in range(len(prompts))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -109,6 +102,44 @@ def test_preemption(prompts, alone) -> None:
     batched = llm.generate(prompts, GREEDY)
     assert llm.engine.stats.num_preemptions > 0
     assert_same_tokens(batched, alone, "preempting")
+
+
+def test_short_prompts_go_ahead_of_a_long_prompts_chunks(prompts, alone) -> None:
+    """Shorter prompts that arrive while a long one is computed in chunks are admitted ahead of its
+    next chunk; same tokens as alone."""
+    by_length = sorted(range(len(prompts)), key=lambda i: len(alone[i].prompt_token_ids))
+    longest, others = by_length[-1], by_length[:5]
+    # The target cuts the long chunk in the steps that carry a short prompt's first token.
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=64, min_prefill_chunk=8, kv_cache_memory="512MiB",
+              target_itl_ms=50.0, enable_prefix_caching=False)
+    plans = record_plans(llm)
+    engine = llm.engine
+    engine.add_request(prompts[longest], GREEDY, request_id=f"r{longest}")
+    tokens: dict[str, list[int]] = {}
+    for out in engine.step():   # the long prompt's first chunk
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i in others:
+        engine.add_request(prompts[i], GREEDY, request_id=f"r{i}")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i in [longest, *others]:
+        assert tokens[f"r{i}"] == alone[i].token_ids, f"prompt {i} differs"
+    second = [row.request_id for row in plans[1].rows]
+    assert second[-1] == f"r{longest}" and len(second) > 1 and not plans[1].rows[-1].is_sampling
+
+
+def record_plans(llm: LLM) -> list:
+    """Every plan the engine's scheduler makes from now on, in order."""
+    plans = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    llm.engine.scheduler.schedule = recording_schedule
+    return plans
 
 
 def run_with_joins(engine: LLMEngine, prompts: list[str], params: SamplingParams, every: int, joining: int,

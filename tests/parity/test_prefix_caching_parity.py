@@ -77,3 +77,24 @@ def test_shared_prefix_under_preemption(uncached: LLM) -> None:
     assert [o.token_ids for o in outs] == expected
     small.engine.blocks.check_integrity()
     assert small.engine.blocks.num_used_blocks == 0
+
+
+def test_prompts_sharing_an_uncached_prefix_sent_at_once_compute_it_once(uncached: LLM) -> None:
+    """Eight prompts with one system prompt nobody computed yet, sent together, in chunks smaller than
+    it: the later ones wait for the first to compute it and reuse it, whatever the admission order."""
+    prompts = shared_prompts(uncached)
+    expected = [o.token_ids for o in uncached.generate(prompts, GREEDY)]
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=96, min_prefill_chunk=16, kv_cache_memory="512MiB")
+    stats = llm.engine.core.stats
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    prefix = next(i for i, tokens in enumerate(zip(*prompts)) if len(set(tokens)) > 1)
+    distinct = prefix + sum(len(p) - prefix for p in prompts)
+    assert prefix > 200 and stats.num_prefill_tokens <= 1.2 * distinct, (stats.num_prefill_tokens, distinct)
+    assert sorted(o.metrics.num_cached_tokens for o in outs)[1:] == [16 * (prefix // 16)] * 7
+
+    # n choices of one long prompt nobody computed yet: computed once too.
+    prompt = chat_ids(llm, [{"role": "system", "content": SYSTEM[::-1]}, {"role": "user", "content": "Hi."}])
+    before = stats.num_prefill_tokens
+    (out,) = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
+    assert len(out.outputs) == 4 and stats.num_prefill_tokens - before <= 1.2 * len(prompt)

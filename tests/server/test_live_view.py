@@ -108,6 +108,9 @@ def test_a_request_joins_the_rows_and_leaves_them_and_the_block_map_follows(serv
         busy = next(u for u in updates if u["rows"])
         row = busy["rows"][0]
         assert row["prompt_total"] > 0 and row["max_tokens"] == 24 and row["priority"] == 0
+        # A running row shows the tokens the last step computed for it, and no wait cause.
+        decoding = [r for u in updates for r in u["rows"] if r["state"] == "decoding"]
+        assert decoding and all(r["step_tokens"] >= 1 and r["wait_cause"] is None for r in decoding)
         assert busy["num_running"] == 1 and busy["stats"]["kv_usage"] > 0
         assert set(busy["blocks"]) <= {str(s.value) for s in BlockState}
         assert str(BlockState.IN_USE.value) in busy["blocks"] or str(BlockState.IN_USE_CACHED.value) in busy["blocks"]

@@ -51,6 +51,8 @@ def test_explicit_flags_win_over_the_preset_and_zero_turns_the_target_off() -> N
     assert config.target_itl_ms is None
     config = scheduler_from_flags("--batch-preset", "throughput", "--target-itl-ms", "250")
     assert config.target_itl_ms == 250.0 and config.max_num_seqs == BATCH_PRESETS["throughput"].max_num_seqs
+    assert scheduler_from_flags("--long-prefill-max-chunk", "128").long_prefill_max_chunk == 128
+    assert scheduler_from_flags("--long-prefill-max-chunk", "0").long_prefill_max_chunk is None
 
 
 @pytest.mark.parametrize("options, field", [
@@ -60,6 +62,8 @@ def test_explicit_flags_win_over_the_preset_and_zero_turns_the_target_off() -> N
     (dict(target_itl_ms=float("nan")), "target_itl_ms"),
     (dict(target_itl_ms=True), "target_itl_ms"),
     (dict(min_prefill_chunk=0), "min_prefill_chunk"),
+    (dict(long_prefill_max_chunk=0), "long_prefill_max_chunk"),
+    (dict(long_prefill_max_chunk=1.5), "long_prefill_max_chunk"),
 ])
 def test_bad_values_are_refused_by_name(options: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -113,3 +113,15 @@ def test_schedule_is_off_until_watched_then_throttled_but_never_skips_the_idle_s
     assert schedule.is_due(10.37, is_idle=False)         # another viewer: at once again
     schedule.watch(None)
     assert not schedule.is_due(20.0, is_idle=True)
+
+
+def test_rows_show_what_the_last_step_computed_for_them_or_why_they_wait() -> None:
+    sched, blocks = make(num_blocks=64, max_num_seqs=2)
+    for request_id, prompt_len in (("a", 200), ("b", 4), ("c", 4)):
+        sched.add(make_request(request_id, prompt_len=prompt_len, max_tokens=3))
+    step(sched)   # a's first chunk takes the whole budget
+    step(sched)   # b goes ahead of a's next chunk; c finds no seat left
+    rows = {row.request_id: row for row in
+            take_snapshot(0.0, sched.running, sched.waiting, blocks, served=sched.last_served).rows}
+    assert (rows["a"].num_step_tokens, rows["b"].num_step_tokens, rows["c"].num_step_tokens) == (60, 4, 0)
+    assert (rows["a"].wait_cause, rows["b"].wait_cause, rows["c"].wait_cause) == (None, None, "budget")

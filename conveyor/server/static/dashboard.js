@@ -198,7 +198,8 @@ function renderRows(m) {
       cell(r.id, "id"), cell(r.tenant || "(default)", "tenant"), cell(String(r.priority), "num"), cell(badge),
       cell(bar("prompt", r.prompt, r.prompt_total, r.cached, `${r.prompt} / ${r.prompt_total}`)),
       cell(bar("output", r.output, r.max_tokens, 0, `${r.output} / ${r.max_tokens}`)),
-      cell(fmt(r.tokens_per_s), "num"), cell(fmt(r.age_s) + " s", "num"));
+      cell(fmt(r.tokens_per_s), "num"), cell(fmt(r.age_s) + " s", "num"),
+      cell(r.step_tokens ? `+${r.step_tokens}` : (r.wait_cause || ""), "num"));
     tr.title = `${r.id}: ${r.blocks} KV blocks, ${r.cached} prompt tokens from the prefix cache, ` +
                `${r.preemptions} preemptions`;
     // The engine's order (running in batch order, then waiting); leaving rows keep their place.
