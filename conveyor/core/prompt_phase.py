@@ -194,7 +194,8 @@ class PromptPhase:
         the cache a few steps later instead of being computed twice. Only behind a prompt of the same
         priority or better, so a better priority never waits on a worse one's slower chunks."""
         limit = (request.num_tokens - 1) // self.blocks.block_size   # find_cached_blocks' own limit
-        if not computing or num_cached_blocks >= limit:
+        # A request that skips the cache has no hashes to look for (and would recompute the block anyway).
+        if request.skips_prefix_cache or not computing or num_cached_blocks >= min(limit, len(request.block_hashes)):
             return False
         return computing.get(request.block_hashes[num_cached_blocks], request.priority + 1) <= request.priority
 

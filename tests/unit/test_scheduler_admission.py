@@ -212,6 +212,22 @@ def test_a_better_priority_never_waits_on_a_worse_ones_prefix() -> None:
     assert plan.num_scheduled_tokens["better"] > 0
 
 
+def test_a_request_that_skips_the_cache_never_waits_for_a_prefix_in_flight() -> None:
+    # cache_prompt: false (or a prompt to score) computes every block itself: it has no hashes to wait on
+    import dataclasses
+
+    prefix = [1000 + i for i in range(400)]
+    sched = make(enable_prefix_caching=True, block_size=16)
+    sched.add(make_request("first", prompt=prefix + [1], max_tokens=2))
+    step(sched)
+    skipping = make_request("skipping", prompt=prefix + [2], max_tokens=2)
+    skipping.params = dataclasses.replace(skipping.params, use_prefix_cache=False)
+    sched.add(skipping)
+    while "skipping" not in step(sched).num_scheduled_tokens:
+        assert skipping.wait_cause != "prefix"
+    assert skipping.num_cached_tokens == 0
+
+
 def test_queue_time_is_split_by_cause_and_adds_up() -> None:
     clock = FakeClock()
     sched = make(clock=clock, max_num_seqs=2, enable_prefix_caching=True, block_size=16)
