@@ -114,10 +114,13 @@ class RequestMetrics:
     @classmethod
     def of(cls, request: Request) -> RequestMetrics:
         """A core request's figures so far."""
-        return cls(request.arrival_s, request.first_scheduled_s, request.first_token_s, request.finished_s,
-                   request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
-                   request.num_preemptions, request.num_draft_tokens, request.num_accepted_tokens,
-                   request.tenant, request.max_tokens, dict(request.queue_s_by_cause))
+        return cls(arrival_s=request.arrival_s, first_scheduled_s=request.first_scheduled_s,
+                   first_token_s=request.first_token_s, finished_s=request.finished_s,
+                   num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
+                   num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                   num_draft_tokens=request.num_draft_tokens, num_accepted_tokens=request.num_accepted_tokens,
+                   tenant=request.tenant, max_tokens=request.max_tokens,
+                   queue_s_by_cause=dict(request.queue_s_by_cause))
 
     @property
     def queue_time_s(self) -> float | None:

@@ -57,3 +57,11 @@ def random_blocks(fmt: str, n: int, k: int, seed: int, scale: float = 1.0) -> np
     raw[:, :, 12:16] = sc[:, :, 4:] | (m[:, :, 4:] << 4)
     raw[:, :, 16:] = rng.integers(0, 256, size=(n, nb, raw.shape[2] - 16))
     return raw.reshape(n, -1)
+
+
+def llama_layer_shapes(hidden: int, ffn: int, heads: int, kv_heads: int) -> dict[str, tuple[int, int]]:
+    """A Llama layer's weight shapes (rows, columns) by GGUF tensor kind, for writing tiny test files."""
+    head_dim = hidden // heads
+    return {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+            "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+            "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-from gguf_blocks import random_blocks
+from gguf_blocks import llama_layer_shapes, random_blocks
 
 UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64 = 4, 5, 6, 7, 8, 9, 10
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -123,10 +123,7 @@ def tiny_spec(kquant: bool = False, seed: int = 0) -> Spec:
     add = lambda name, shape, kind="F32": spec.tensors.append(_tensor(name, shape, kind, rng))  # noqa: E731
     add("token_embd.weight", (VOCAB, hidden), "Q6_K" if kquant else "Q8_0")
     add("output_norm.weight", (hidden,))
-    head_dim = hidden // HEADS
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (KV_HEADS * head_dim, hidden),
-              "attn_v": (KV_HEADS * head_dim, hidden), "attn_output": (hidden, hidden),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    shapes = llama_layer_shapes(hidden, ffn, HEADS, KV_HEADS)
     for i in range(LAYERS):
         add(f"blk.{i}.attn_norm.weight", (hidden,))
         add(f"blk.{i}.ffn_norm.weight", (hidden,))

@@ -20,7 +20,7 @@ from conveyor.model.quant import QuantEmbedding, QuantLinear
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import kernel_tile_size
 
-from gguf_blocks import random_blocks
+from gguf_blocks import llama_layer_shapes, random_blocks
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
@@ -66,10 +66,7 @@ def write_tiny_gguf(path: Path, hidden: int, ffn: int, types: dict[str, str], em
     if output_type is not None:
         add("output.weight", (VOCAB, hidden), output_type)
     add("output_norm.weight", (hidden,))
-    head_dim = hidden // HEADS
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (KV_HEADS * head_dim, hidden),
-              "attn_v": (KV_HEADS * head_dim, hidden), "attn_output": (hidden, hidden),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    shapes = llama_layer_shapes(hidden, ffn, HEADS, KV_HEADS)
     for i in range(LAYERS):
         add(f"blk.{i}.attn_norm.weight", (hidden,))
         add(f"blk.{i}.ffn_norm.weight", (hidden,))
