@@ -75,12 +75,15 @@ class PromptPhase:
             if num_new == 0:
                 return
             if not self._make_room(request, start + num_new, scheduled, preempted):
-                # Never preempt a decode already in the step: take what the free blocks hold and stop here.
+                # Never preempt a decode already in the step: take what the free blocks hold. A chunk
+                # later in this order may still outrank someone and make room, so the loop goes on
+                # (stopping here could leave two started prompts each waiting on the other's blocks).
                 room = self.blocks.capacity(request) - start
                 if room > 0:
                     self._schedule_running(request, min(room, num_new), rows, scheduled)
+                    budget -= min(room, num_new)
                 self._line_cause = "blocks"
-                return
+                continue
             self._schedule_running(request, num_new, rows, scheduled)
             budget -= num_new
         if can_admit:
