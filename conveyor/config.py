@@ -3,43 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from conveyor.config_values import parse_bytes, positive as _positive
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: a GGUF file runs in its own formats where kernels exist, anything else as loaded; none: weights
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_bytes(value: str | int, name: str) -> int:
-    """'2GiB', '512MB', '1e9' or an int -> bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a size like '2GiB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{name} must be a size like '2GiB' or '512MB', got {value!r}")
-        size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return size
-
-
-def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -201,22 +174,36 @@ class SchedulerConfig:
         return self.long_prefill_token_threshold
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: decodes carry guessed tokens that the model verifies in the same step."""
 
-    speculative: str | None = None        # None = off; "ngram": prompt lookup in the request's own context
+    # None = off; "ngram": prompt lookup in the request's own context; "draft_model": a smaller model of
+    # the same vocabulary guesses (speculative_model), implied when only the model is given
+    speculative: str | None = None
     num_speculative_tokens: int = 4       # most guesses per decode
     ngram_prompt_lookup_min: int = 2      # shortest context tail looked up
     ngram_prompt_lookup_max: int = 4      # longest, tried first
+    speculative_model: str | None = None  # the draft model's GGUF file or folder
+    # the draft's weights: "auto" keeps a GGUF file's formats where the kernels run them
+    speculative_model_quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.speculative_model_quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_model_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.speculative_model_quantization!r}")
+        if self.speculative is None and self.speculative_model is not None:
+            object.__setattr__(self, "speculative", "draft_model")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, "
                              f"got {self.speculative!r}")
+        if self.speculative == "draft_model" and not self.speculative_model:
+            raise ValueError("speculative 'draft_model' needs speculative_model: the draft model's file or folder")
+        if self.speculative == "ngram" and self.speculative_model is not None:
+            raise ValueError("speculative_model is the draft of method 'draft_model', not of 'ngram'")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
         _positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
         _positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)

@@ -96,7 +96,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             f"first (default {CacheConfig.prefix_cache_disk_size})")
     group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                        help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
-                            "request, verified by the model in the same step (outputs unchanged; default: off)")
+                            "request; draft_model = a smaller model guesses them (--speculative-model); the model "
+                            "verifies the guesses in the same step (outputs unchanged; default: off)")
     group.add_argument("--num-speculative-tokens", type=int, default=None,
                        help=f"most guessed tokens per decode (default {SpeculativeConfig.num_speculative_tokens})")
     group.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
@@ -104,9 +105,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             f"(default {SpeculativeConfig.ngram_prompt_lookup_min})")
     group.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
                        help=f"longest tail looked up, tried first (default {SpeculativeConfig.ngram_prompt_lookup_max})")
+    group.add_argument("--speculative-model", "--model-draft", default=None, metavar="PATH",
+                       help="a draft model (GGUF file or folder) with the same vocabulary as --model: it guesses "
+                            "the next tokens and the model verifies them in one step (outputs unchanged; implies "
+                            "--speculative draft_model)")
+    group.add_argument("--speculative-model-quantization", choices=QUANTIZATIONS, default=None,
+                       help="the draft model's weights, as --quantization for the model "
+                            f"(default {SpeculativeConfig.speculative_model_quantization})")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='vLLM\'s spelling of the four flags above, e.g. \'{"method": "ngram", '
-                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+                       help='vLLM\'s spelling of the flags above, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or '
+                            '\'{"model": "draft.gguf", "num_speculative_tokens": 5}\'')
     group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
                        help="a tenant's share of the batch relative to others (default 1), repeatable; the tenant "
                             "is a request's X-Tenant header or OpenAI user field")
@@ -179,16 +188,18 @@ def engine_options(args: argparse.Namespace) -> dict:
     }
 
 
-# vLLM's --speculative-config keys -> ours; a draft model ("model") is not one of them.
+# vLLM's --speculative-config keys -> ours.
 _SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
                             "prompt_lookup_min": "ngram_prompt_lookup_min",
-                            "prompt_lookup_max": "ngram_prompt_lookup_max"}
+                            "prompt_lookup_max": "ngram_prompt_lookup_max", "model": "speculative_model",
+                            "quantization": "speculative_model_quantization"}
+_SPECULATIVE_FLAGS = ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
+                      "speculative_model", "speculative_model_quantization")
 
 
 def speculative_options(args: argparse.Namespace) -> dict:
     """The speculative flags, or their --speculative-config JSON (not both)."""
-    flags = {"speculative": args.speculative, **_given(args, "num_speculative_tokens", "ngram_prompt_lookup_min",
-                                                        "ngram_prompt_lookup_max")}
+    flags = {"speculative": args.speculative, **_given(args, *_SPECULATIVE_FLAGS)}
     if args.speculative_config is None:
         return flags
     if args.speculative is not None or len(flags) > 1:
@@ -202,11 +213,12 @@ def speculative_options(args: argparse.Namespace) -> dict:
     unknown = sorted(set(config) - set(_SPECULATIVE_CONFIG_KEYS))
     if unknown:
         raise SystemExit(f"conveyor: error: --speculative-config: unsupported key(s) {', '.join(unknown)} "
-                         f"(supported: {', '.join(_SPECULATIVE_CONFIG_KEYS)}; the only method is n-gram lookup)")
-    if config.get("method") not in SPECULATIVE_METHODS:
+                         f"(supported: {', '.join(_SPECULATIVE_CONFIG_KEYS)})")
+    method = config.get("method", "draft_model" if "model" in config else None)
+    if method not in SPECULATIVE_METHODS:
         raise SystemExit(f"conveyor: error: --speculative-config: method must be one of "
-                         f"{', '.join(SPECULATIVE_METHODS)}, got {config.get('method')!r}")
-    return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in config.items()}
+                         f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in {**config, "method": method}.items()}
 
 
 def tenant_weights(flags: list[str]) -> tuple[tuple[str, float], ...]:

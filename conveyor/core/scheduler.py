@@ -220,25 +220,32 @@ class Scheduler(PromptPhase):
             if not request.can_speculate or row.is_prefill:
                 continue
             cap = min(self.num_speculative_tokens, budget, request.max_tokens - len(request.output_token_ids) - 1,
-                      self.max_model_len - request.num_tokens - 1)
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, cap) if cap > 0 else []
-            granted = 0
-            for _ in drafts:
-                if cost is not None:
-                    chance = request.draft_acceptance ** (granted + 1)
-                    # A guess is a sampled row too: it pays for the output layer as well.
-                    token_s = cost.chunk_s(row.start_position + 1 + granted, 1) + cost.per_sampling_row_s
-                    if not worth_drafting(chance, token_s, step_s, expected_tokens):
-                        break
-                    step_s += token_s
-                    expected_tokens += chance
-                granted += 1
-            if drafts and granted == 0:
+                      self.max_model_len - request.num_tokens - 1,
+                      self.blocks.capacity(request) - row.start_position - 1)
+            # How many guesses pay is settled before asking for them: a draft model spends time on each.
+            gains: list[tuple[float, float]] = []   # (seconds, expected tokens) of each guess worth taking
+            for j in range(cap):
+                if cost is None:
+                    gains.append((0.0, 0.0))
+                    continue
+                chance = request.draft_acceptance ** (j + 1)
+                # A guess is a sampled row too: it pays for the output layer as well, and for its drafting.
+                token_s = (cost.chunk_s(row.start_position + 1 + j, 1) + cost.per_sampling_row_s
+                           + self.proposer.cost_per_token_s)
+                if not worth_drafting(chance, token_s, step_s + sum(g[0] for g in gains),
+                                      expected_tokens + sum(g[1] for g in gains)):
+                    break
+                gains.append((token_s, chance))
+            if cap > 0 and not gains:
                 # Refused for a poor record: trust creeps back, so the request is tried again later.
                 request.draft_acceptance += 0.02 * (1.0 - request.draft_acceptance)
-            granted = min(granted, self.blocks.capacity(request) - row.start_position - 1)
+                continue
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids, len(gains)) if gains else []
+            granted = min(len(drafts), len(gains))
             if granted <= 0:
                 continue
+            step_s += sum(g[0] for g in gains[:granted])
+            expected_tokens += sum(g[1] for g in gains[:granted])
             self.blocks.allocate(request, row.start_position + 1 + granted)
             rows[i] = ScheduledRow(request_id=row.request_id, token_ids=row.token_ids + drafts[:granted],
                                    start_position=row.start_position, block_table=list(request.block_table),

@@ -18,7 +18,10 @@ from typing import Protocol
 
 class Proposer(Protocol):
     """Guesses up to `max_tokens` next tokens of a request; [] for no guess. State per request is
-    dropped by `forget` when the request ends."""
+    dropped by `forget` when the request ends. `cost_per_token_s`: what one more guess costs the
+    proposer (0 for a lookup), weighed by the scheduler against what the guess is expected to save."""
+
+    cost_per_token_s: float
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
 
@@ -36,6 +39,8 @@ class _NgramIndex:
 
 
 class NgramProposer:
+    cost_per_token_s = 0.0
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram bounds must satisfy 1 <= min <= max, got {min_n}, {max_n}")

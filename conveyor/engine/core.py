@@ -42,8 +42,9 @@ from conveyor.engine.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.engine.thinking_budget import ThinkingBudgets
 from conveyor.errors import ConveyorError, InvalidRequest
-from conveyor.engine.runtime_builder import Runtime, build_runtime
+from conveyor.engine.runtime_builder import Runtime, build_draft, build_runtime
 from conveyor.model.llama import LlamaModel
+from conveyor.runtime.draft_model import DraftModelProposer
 from conveyor.runtime.prefix_tier import build_disk_tier
 from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
@@ -81,7 +82,9 @@ class EngineCore:
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
-                    if spec.speculative == "ngram" else None)
+                    if spec.speculative == "ngram" else build_draft(config, runtime)
+                    if spec.speculative == "draft_model" else None)
+        self.draft = proposer if isinstance(proposer, DraftModelProposer) else None
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model,
                                    proposer, spec.num_speculative_tokens)
         self.sampler = Sampler(self.device)
@@ -117,9 +120,9 @@ class EngineCore:
                     "up to the token budget" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
                     else f"at most {sched.long_prefill_max_chunk} tokens")
         if proposer is not None:
-            logger.info("speculative decoding: %s, up to %d draft tokens per decode, n-grams %d..%d",
-                        spec.speculative, spec.num_speculative_tokens, spec.ngram_prompt_lookup_min,
-                        spec.ngram_prompt_lookup_max)
+            logger.info("speculative decoding: %s, up to %d draft tokens per decode%s", spec.speculative,
+                        spec.num_speculative_tokens, f", n-grams {spec.ngram_prompt_lookup_min}.."
+                        f"{spec.ngram_prompt_lookup_max}" if self.draft is None else f" from {spec.speculative_model}")
 
     # ------------------------------------------------------------ requests
 
@@ -311,8 +314,10 @@ class EngineCore:
         )
         self.stats.record(step)
         self.last_step = step
+        # The cost model learns the model's step alone: the draft's guessing is weighed on its own.
+        drafting_s = self.draft.take_seconds() if self.draft is not None else 0.0
         if not failed:   # a failed step's time says nothing about what a step costs
-            self.cost_model.observe(StepShape.from_plan(plan), step.step_time_s)
+            self.cost_model.observe(StepShape.from_plan(plan), step.step_time_s - drafting_s)
         return self._outputs(deltas, step)
 
     def _outputs(self, deltas: list[TokenDelta], step: StepStats | None) -> StepOutputs:

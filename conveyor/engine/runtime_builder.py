@@ -21,6 +21,7 @@ from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model, resolve_quantization
 from conveyor.runtime.cuda_graphs import DecodeGraphs
+from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
 from conveyor.runtime.kv_cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
@@ -103,3 +104,28 @@ def build_runtime(config: EngineConfig) -> Runtime:
               else ModelRunner(model, kv_cache, device, graphs))
     return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
                    max_model_len, num_threads)
+
+
+def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
+    """The draft model of speculative decoding, beside `runtime`'s model: its own weights and KV cache
+    (as many blocks as the model's, so it never runs out first), the same threads and device."""
+    spec = config.speculative
+    if config.model.tensor_parallel_size > 1:
+        raise ValueError("a draft model runs beside one model, not tensor-parallel ranks")
+    started = time.perf_counter()
+    draft_path = resolve_model_path(spec.speculative_model)
+    check_same_vocabulary(runtime.model_path, draft_path)
+    device = runtime.device
+    quantization = resolve_quantization(spec.speculative_model_quantization, draft_path, device.type,
+                                        config.model.dtype, runtime.kernel_library)
+    dtype, _ = choose_dtype(config.model.dtype, device, runtime.kernel_library, quantized=quantization != "none")
+    kv_dtype, _ = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
+    model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization)
+    block_size = config.cache.block_size
+    kv_cache = KVCache(model.arch, runtime.kv_cache.num_blocks, block_size, kv_dtype, device,
+                       transposed_keys=kernel_tile_size(model, block_size, device) > 0)
+    max_model_len = min(runtime.max_model_len, model.arch.max_position_embeddings)
+    logger.info("start-up: draft model %s (%s, %s weights, KV cache of %d blocks) ready in %.2f s", draft_path,
+                str(dtype).removeprefix("torch."), getattr(model, "weight_formats", None) or quantization,
+                kv_cache.num_blocks, time.perf_counter() - started)
+    return DraftModelProposer(ModelRunner(model, kv_cache, device), max_model_len, runtime.model.vocab_size)

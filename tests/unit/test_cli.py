@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from conveyor.config import EngineConfig
+
 from conveyor import __version__
 from conveyor.cli.flags import engine_options, parse_args
 
@@ -69,6 +71,16 @@ def test_speculative_flags() -> None:
     assert (options["speculative"], options["num_speculative_tokens"], options["ngram_prompt_lookup_min"],
             options["ngram_prompt_lookup_max"]) == ("ngram", 6, 1, 3)
     assert engine_options(parse_args(["serve"]))["speculative"] is None
+    draft = engine_options(parse_args(["serve", "--model-draft", "d.gguf", "--speculative-model-quantization", "none"]))
+    assert (draft["speculative"], draft["speculative_model"], draft["speculative_model_quantization"]) == \
+        (None, "d.gguf", "none")
+    config = EngineConfig.from_options(**draft)
+    assert config.speculative.speculative == "draft_model"   # implied by the draft model
+    for bad, says in [({"speculative": "draft_model"}, "needs speculative_model"),
+                      ({"speculative": "ngram", "speculative_model": "d.gguf"}, "not of 'ngram'"),
+                      ({"speculative_model": "d.gguf", "speculative_model_quantization": "q4"}, "must be one of")]:
+        with pytest.raises(ValueError, match=says):
+            EngineConfig.from_options(**bad)
 
 
 def test_speculative_config_json_is_vllms_spelling(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,8 +90,11 @@ def test_speculative_config_json_is_vllms_spelling(capsys: pytest.CaptureFixture
             options["ngram_prompt_lookup_max"]) == ("ngram", 5, 1, 3)
     defaults = engine_options(parse_args(["serve", "--speculative-config", '{"method": "ngram"}']))
     assert defaults["speculative"] == "ngram" and "num_speculative_tokens" not in defaults   # the config's default
-    for bad, says in [('{"method": "draft_model", "model": "x"}', "unsupported key(s) model"),
-                      ('{"method": "eagle"}', "method must be one of ngram"),
+    draft = engine_options(parse_args(["serve", "--speculative-config", '{"model": "d.gguf", "num_speculative_tokens": 6}']))
+    assert (draft["speculative"], draft["speculative_model"], draft["num_speculative_tokens"]) == \
+        ("draft_model", "d.gguf", 6)   # a model alone means a draft model, as in vLLM
+    for bad, says in [('{"method": "eagle", "model": "x"}', "method must be one of ngram, draft_model"),
+                      ('{"method": "ngram", "draft": 1}', "unsupported key(s) draft"),
                       ('{"method": "ngram"', "not JSON"), ('["ngram"]', "a JSON object")]:
         with pytest.raises(SystemExit, match=re.escape(says)):
             engine_options(parse_args(["serve", "--speculative-config", bad]))

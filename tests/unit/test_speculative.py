@@ -196,6 +196,8 @@ def test_the_cost_model_turns_drafts_off_near_the_compute_knee() -> None:
 class FixedGuess:
     """A proposer that always guesses the same tokens, to drive acceptance by hand."""
 
+    cost_per_token_s = 0.0
+
     def propose(self, request_id, token_ids, max_tokens):
         return [1, 2, 3, 4][:max_tokens]
 

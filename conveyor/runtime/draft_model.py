@@ -1,0 +1,149 @@
+"""DraftModelProposer: a smaller model of the same vocabulary guesses a request's next tokens.
+
+Speculative decoding with a draft model: the draft decodes a few tokens greedily, the target verifies
+them all in one forward (a multi-token decode row, core/scheduler.py) and keeps those it would have
+produced anyway, so outputs never depend on the draft; a good draft only makes them come sooner.
+
+The draft keeps its own paged KV cache, with a block list per request. Before it guesses it catches
+up with the request's context: what it computed is kept up to where it still matches the context (a
+rejected guess only shortens it), the rest is computed in chunks, then it decodes one token a forward.
+The scheduler asks it through the pure `Proposer` interface; the seconds it spends are reported
+(`take_seconds`) so that the step's cost model learns the target's cost alone, and
+`cost_per_token_s` is what one more guess costs here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from conveyor.core.plan import ScheduledRow, StepPlan
+from conveyor.errors import ModelLoadError
+from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_CATCH_UP_CHUNK = 512   # most context tokens the draft computes in one forward
+_COST_SMOOTHING = 0.2   # weight of the newest one-token forward in cost_per_token_s
+
+
+@dataclass(slots=True)
+class _DraftState:
+    token_ids: list[int] = field(default_factory=list)   # the context whose KV the draft holds, in order
+    blocks: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    """Greedy guesses of a draft model; `runner` steps the draft over its own KV cache."""
+
+    def __init__(self, runner: ModelRunner, max_model_len: int, target_vocab_size: int) -> None:
+        self.runner = runner
+        self.block_size = runner.kv_cache.block_size
+        self.max_model_len = max_model_len
+        self.target_vocab_size = target_vocab_size
+        self._free = list(range(runner.kv_cache.num_blocks - 1, -1, -1))
+        self._states: dict[str, _DraftState] = {}
+        self.cost_per_token_s = 0.0   # a one-token draft forward, smoothed; 0 until measured
+        self._seconds = 0.0           # spent since the last take_seconds
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        length = len(token_ids)
+        if max_tokens <= 0 or length == 0 or length + max_tokens - 1 > self.max_model_len:
+            return []
+        started = time.perf_counter()
+        try:
+            return self._propose(request_id, token_ids, max_tokens)
+        finally:
+            self._seconds += time.perf_counter() - started
+
+    def forget(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._free.extend(reversed(state.blocks))
+
+    def take_seconds(self) -> float:
+        """Seconds spent guessing since the last call."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        state = self._states.setdefault(request_id, _DraftState())
+        # The newest context token is always fed again: its logits give the first guess.
+        keep = min(_common_prefix(state.token_ids, token_ids), len(token_ids) - 1)
+        del state.token_ids[keep:]
+        if not self._reserve(state, len(token_ids) + max_tokens - 1):
+            self.forget(request_id)   # out of draft blocks: no guess, and nothing held
+            return []
+        pending = list(token_ids[keep:])
+        while len(pending) > _CATCH_UP_CHUNK:
+            self._forward(request_id, state, pending[:_CATCH_UP_CHUNK], sample=False)
+            del pending[:_CATCH_UP_CHUNK]
+        guesses = [self._forward(request_id, state, pending, sample=True)]
+        while len(guesses) < max_tokens and guesses[-1] < self.target_vocab_size:
+            started = time.perf_counter()
+            guesses.append(self._forward(request_id, state, guesses[-1:], sample=True))
+            spent = time.perf_counter() - started
+            self.cost_per_token_s = (spent if self.cost_per_token_s == 0.0 else
+                                     (1 - _COST_SMOOTHING) * self.cost_per_token_s + _COST_SMOOTHING * spent)
+        # A token beyond the target's vocabulary (a padded draft row) can never be accepted.
+        valid = next((i for i, token in enumerate(guesses) if token >= self.target_vocab_size), len(guesses))
+        return guesses[:valid]
+
+    def _reserve(self, state: _DraftState, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size) - len(state.blocks)
+        if needed > len(self._free):
+            return False
+        for _ in range(max(needed, 0)):
+            state.blocks.append(self._free.pop())
+        return True
+
+    def _forward(self, request_id: str, state: _DraftState, tokens: list[int], sample: bool) -> int:
+        """Compute `tokens` after the draft's context; with `sample`, its greedy next token."""
+        row = ScheduledRow(request_id=request_id, token_ids=tokens, start_position=len(state.token_ids),
+                           block_table=state.blocks, is_sampling=sample, is_prefill=len(tokens) > 1)
+        logits = self.runner.execute(StepPlan(rows=(row,)))
+        state.token_ids.extend(tokens)
+        return int(torch.argmax(logits[0])) if sample else -1
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def check_same_vocabulary(model_path: Path, draft_path: Path) -> None:
+    """Raise ModelLoadError unless the draft's tokens are the model's (ids and strings, on the ids both have)."""
+    model_tokens, draft_tokens = _vocabulary(model_path), _vocabulary(draft_path)
+    if model_tokens is None or draft_tokens is None:
+        which = model_path if model_tokens is None else draft_path
+        raise ModelLoadError(f"cannot read the vocabulary of {which}: a draft model must be checked to share the "
+                             "model's tokens")
+    common = min(len(model_tokens), len(draft_tokens))
+    mismatch = next((i for i in range(common) if model_tokens[i] != draft_tokens[i]), None)
+    if mismatch is not None or common == 0:
+        raise ModelLoadError(f"the draft model {draft_path} does not share the model's vocabulary (token {mismatch} "
+                             f"differs): speculative decoding needs the same tokenizer")
+
+
+def _vocabulary(path: Path) -> list[str] | None:
+    """Token strings by id: a GGUF file's tokenizer.ggml.tokens, or a folder's tokenizer.json."""
+    try:
+        if path.is_file():
+            tokens = read_gguf_metadata(path, ("tokenizer.ggml.tokens",)).get("tokenizer.ggml.tokens")
+            return [str(token) for token in tokens] if isinstance(tokens, list) else None
+        data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        by_id = {int(i): str(token) for token, i in data["model"]["vocab"].items()}
+        by_id.update({int(t["id"]): str(t["content"]) for t in data.get("added_tokens", [])})
+        return [by_id.get(i, "") for i in range(max(by_id) + 1)] if by_id else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
