@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     from conveyor.config import EngineConfig
     from conveyor.core.plan import ScheduledRow, StepPlan
-    from conveyor.engine.engine import LLMEngine
+    from conveyor.front.llm_engine import LLMEngine
 
     print(f"CPU: {report.machine()}", flush=True)
     engine = LLMEngine(EngineConfig.from_options(model=None, dtype=args.dtype, threads=args.threads,

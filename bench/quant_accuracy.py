@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from conveyor import kernels
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf
+from conveyor.text.gguf_vocab import tokenizer_from_gguf
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_model

@@ -135,7 +135,7 @@ def find_peers(args: argparse.Namespace) -> dict[str, servers.LlamaCpp | servers
 
 def chat_prompts(model: Path, count: int) -> list[list[int]]:
     """Token ids of short chat turns, from the file's own tokenizer and chat template (raw text without one)."""
-    from conveyor.engine.tokenizer_loader import load_tokenizer
+    from conveyor.text.tokenizer_loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     prompts = []

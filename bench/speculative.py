@@ -1,7 +1,9 @@
-"""Speculative decoding (n-gram lookup) on against off, on the same requests, in one run.
+"""Speculative decoding (n-gram lookup or a draft model) on against off, on the same requests, in one run.
 
     python -m bench.speculative                 # code-repeat requests alone and 16 at once, 64 random-token ones
     python -m bench.speculative --dtype bfloat16 --batches 1,16
+    python -m bench.speculative --model M.gguf --quantization none --draft-model M.gguf --workloads complete \
+        --batches 1 --random-requests 0 --seeded      # a draft model on code completion, greedy and seeded
 
 The repeat workload asks the model to repeat, document or edit functions of Python's own standard
 library (the `.py` files of this interpreter: real text that ships with Python), so the output
@@ -55,10 +57,22 @@ def repeat_prompts(count: int) -> list[list[dict]]:
             for i, code in enumerate(stdlib_functions(count))]
 
 
-def run(llm, requests, output_tokens: int, chat: bool, one_at_a_time: bool) -> tuple[dict, list[list[int]]]:
+def complete_prompts(count: int) -> list[str]:
+    """Code completion: the first half of each function (at a line end), to be continued as text."""
+    prompts = []
+    for code in stdlib_functions(count):
+        cut = code.rfind("\n", 0, len(code) // 2)
+        prompts.append(code[:cut + 1] if cut > 0 else code)
+    return prompts
+
+
+def run(llm, requests, output_tokens: int, chat: bool, one_at_a_time: bool,
+        seed: int | None = None) -> tuple[dict, list[list[int]]]:
     from conveyor import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=not chat)
+    # Seeded: the same draws with guesses as without, so the tokens must match there too.
+    params = SamplingParams(temperature=0 if seed is None else 0.7, seed=seed, max_tokens=output_tokens,
+                            ignore_eos=not chat)
     generate = llm.chat if chat else llm.generate
     stats = llm.engine.stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.accepted_per_position))
@@ -102,33 +116,49 @@ def main() -> None:
     p.add_argument("--ngram-prompt-lookup-min", type=int, default=None, help="(default: the engine's)")
     p.add_argument("--ngram-prompt-lookup-max", type=int, default=None, help="(default: the engine's)")
     p.add_argument("--repetitions", type=int, default=2, help="runs of each side, alternating; the best counts")
+    p.add_argument("--model", default=None, help="the model (default: the bundled one)")
+    p.add_argument("--quantization", default="auto", help="the model's weights (none: as float, --dtype)")
+    p.add_argument("--draft-model", default=None, help="speculate with this draft model instead of n-grams")
+    p.add_argument("--draft-quantization", default="auto")
+    p.add_argument("--workloads", default="repeat", help="repeat (chat: repeat/edit a function) and/or complete "
+                                                         "(continue half a function as text), comma-separated")
+    p.add_argument("--seeded", action="store_true", help="also run each workload with seeded sampling")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = p.parse_args()
     # No prefix caching: a repetition must not find the previous one's prompts cached.
     base = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "4GiB", "max_num_seqs": 64,
-            "enable_prefix_caching": False}
-    spec = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            **{name: getattr(args, name) for name in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max")
-               if getattr(args, name) is not None}}
+            "enable_prefix_caching": False, "quantization": args.quantization}
+    if args.draft_model:
+        spec = {"speculative_model": args.draft_model, "speculative_model_quantization": args.draft_quantization,
+                "num_speculative_tokens": args.num_speculative_tokens}
+    else:
+        spec = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                **{name: getattr(args, name) for name in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max")
+                   if getattr(args, name) is not None}}
     print(f"CPU: {report.machine()}", flush=True)
-    workloads = [(f"repeat-{n}", repeat_prompts(args.single_requests if n == 1 else n), True, n == 1)
-                 for n in map(int, args.batches.split(","))]
+    makers = {"repeat": (repeat_prompts, True), "complete": (complete_prompts, False)}
+    workloads = [(f"{kind}-{n}{'-seeded' if seed is not None else ''}",
+                  makers[kind][0](args.single_requests if n == 1 else n), makers[kind][1], n == 1, seed)
+                 for kind in args.workloads.split(",") for n in map(int, args.batches.split(","))
+                 for seed in ([None, 1234] if args.seeded else [None])]
     if args.random_requests:
         workloads.append((f"random-{args.random_requests}", [r.prompt_token_ids for r in
-                                                             offline_workload(args.random_requests)], False, False))
+                                                             offline_workload(args.random_requests)], False, False,
+                          None))
     from conveyor import LLM, SamplingParams
 
     # Both engines live side by side and take turns, so a slow spell of the machine hits both alike.
-    engines = {"off": LLM(None, **base), "on": LLM(None, **base, **spec)}
+    engines = {"off": LLM(args.model, **base), "on": LLM(args.model, **base, **spec)}
     for llm in engines.values():
         llm.generate([[100, 101, 102]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # warm-up
     results = {}
-    for name, requests, chat, one_at_a_time in workloads:
+    for name, requests, chat, one_at_a_time, seed in workloads:
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         token_ids: dict[str, list[list[int]]] = {}
         for rep in range(args.repetitions):
             for side in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                figures, token_ids[side] = run(engines[side], requests, args.output_tokens, chat, one_at_a_time)
+                figures, token_ids[side] = run(engines[side], requests, args.output_tokens, chat, one_at_a_time,
+                                               seed)
                 runs[side].append(figures)
         off, on = best_of(runs["off"]), best_of(runs["on"])
         mismatches = sum(a != b for a, b in zip(token_ids["off"], token_ids["on"]))
@@ -141,7 +171,8 @@ def main() -> None:
               f"{off['output_tokens_per_s']:6.1f} -> {on['output_tokens_per_s']:6.1f} tok/s, {ratio:.2f}x | "
               f"acceptance {on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}) | "
               f"mismatches={mismatches}", flush=True)
-    report.save_run("speculative", args.out_dir, {"options": {**base, **spec}, "output_tokens": args.output_tokens,
+    report.save_run("speculative", args.out_dir, {"options": {**base, **spec, "model": args.model},
+                                                  "output_tokens": args.output_tokens,
                                                   "results": results})
 
 

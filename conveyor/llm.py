@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.config import EngineConfig
-from conveyor.engine.engine import LLMEngine
-from conveyor.engine.front import Choices
+from conveyor.front.llm_engine import LLMEngine
+from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams

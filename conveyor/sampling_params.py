@@ -2,7 +2,7 @@
 
 This is the one home of every check that needs no model: the offline API and the server both build
 a SamplingParams, so a bad value gets the same message and `param` from both. Checks that need the
-model (vocabulary, context length, KV cache) are admission's (engine/admission.py).
+model (vocabulary, context length, KV cache) are admission's (front/admission.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def generate(args: argparse.Namespace) -> int:
-    from conveyor.engine.engine import LLMEngine
+    from conveyor.front.llm_engine import LLMEngine
     from conveyor.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

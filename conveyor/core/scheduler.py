@@ -67,7 +67,7 @@ class Scheduler(PromptPhase):
     # ------------------------------------------------------------ requests in and out
 
     def add(self, request: Request) -> None:
-        """Queue an admitted request: the front's admission (engine/admission.py) already decided that
+        """Queue an admitted request: the front's admission (front/admission.py) already decided that
         it fits, its max_tokens resolved. Raises InvalidRequest for a duplicate id."""
         if request.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")

@@ -38,11 +38,11 @@ from conveyor.engine.messages import (
 )
 from conveyor.engine.prompt_scoring import PromptScores
 from conveyor.engine.stats import DiskTierCounts, DraftTally, EngineStats, StepStats
-from conveyor.engine.step_sampling import sample_rows
+from conveyor.runtime.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.engine.thinking_budget import ThinkingBudgets
 from conveyor.errors import ConveyorError, InvalidRequest
-from conveyor.engine.runtime_builder import Runtime, build_draft, build_runtime
+from conveyor.runtime.runtime_builder import Runtime, build_draft, build_runtime
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.draft_model import DraftModelProposer
 from conveyor.runtime.prefix_tier import build_disk_tier
@@ -127,7 +127,7 @@ class EngineCore:
     # ------------------------------------------------------------ requests
 
     def add(self, core_request: CoreRequest) -> None:
-        """Queue a request admitted by the front (engine/admission.py). Raises InvalidRequest for a duplicate id."""
+        """Queue a request admitted by the front (front/admission.py). Raises InvalidRequest for a duplicate id."""
         params = core_request.params
         request = Request(
             request_id=core_request.request_id,

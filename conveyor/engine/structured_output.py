@@ -31,7 +31,7 @@ from conveyor.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import torch
 
-    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def grammar_compiler(model_path: Path, vocab_size: int,
         compiler = _compilers.get(key)
         if compiler is None:
             if make_tokenizer is None:
-                from conveyor.engine.tokenizer_loader import load_tokenizer
+                from conveyor.text.tokenizer_loader import load_tokenizer
 
                 def make_tokenizer() -> Tokenizer:
                     return load_tokenizer(model_path)

@@ -1,6 +1,6 @@
 """Checkpoints on disk (a GGUF file or a Hugging Face folder) -> our LlamaModel with its weights.
 
-The tokenizer is not loaded here (see engine/tokenizer.py). Nothing is ever fetched from a hub.
+The tokenizer is not loaded here (see text/tokenizer.py). Nothing is ever fetched from a hub.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.types import Message
 
 from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
-from conveyor.engine.tokenizer_loader import load_tokenizer
+from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.errors import ConveyorError, QueueFull, RequestTimeout, RequestTooLarge, Unauthorized
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.replicas.http_bridge import ForwardedRequest, RelayResponse, ReplicaLost, call_app

@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 import pydantic
 
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.replicas.routing import ROUTING_BLOCKS, RoutingKey, prefix_key
 from conveyor.server.chat_tools import template_input

@@ -22,11 +22,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from conveyor.config import EngineConfig, ServerConfig
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.async_engine import AsyncEngine
 from conveyor.engine.core_client import CoreClient, ThreadCoreClient
 from conveyor.engine.core_process import ProcessCoreClient
-from conveyor.engine.tokenizer import Tokenizer
-from conveyor.engine.tokenizer_loader import load_tokenizer
+from conveyor.text.tokenizer import Tokenizer
+from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.model.checkpoint import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
 from conveyor.server.header_timeout import header_timeout_protocol
@@ -136,7 +136,7 @@ def start_core(config: EngineConfig, server: ServerConfig = ServerConfig(),
     """
     if not server.core_process:
         # Imported here: a front with a core process never imports torch.
-        from conveyor.engine.engine import LLMEngine
+        from conveyor.front.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
         return ThreadCoreClient(engine.core), engine.tokenizer, engine.model_name

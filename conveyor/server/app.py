@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from conveyor.config import ServerConfig
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
-from conveyor.engine.core_watchdog import CoreWatchdog
+from conveyor.front.async_engine import AsyncEngine, EngineDeadError
+from conveyor.front.core_watchdog import CoreWatchdog
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
 from conveyor.server.batch_api import BatchRunner, add_batch_routes
 from conveyor.server.batch_store import BatchStore

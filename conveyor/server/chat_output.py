@@ -20,7 +20,7 @@ from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser
 from conveyor.server.tool_syntaxes import CallSyntax
 
 if TYPE_CHECKING:
-    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.text.tokenizer import Tokenizer
     from conveyor.server.request_schemas import ChatCompletionRequest
     from conveyor.server.streaming import PromptGroup
 

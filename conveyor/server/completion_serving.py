@@ -17,9 +17,9 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
-from conveyor.engine.admission import truncate_prompt
-from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.front.admission import truncate_prompt
+from conveyor.front.async_engine import AsyncEngine
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams

@@ -29,7 +29,7 @@ from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from conveyor.core.snapshot import BatchSnapshot, BlockState
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
+from conveyor.front.async_engine import AsyncEngine, EngineDeadError
 from conveyor.engine.messages import StepOutputs
 from conveyor.errors import ServerBusy
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokenLogprob, TopLogprob
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conveyor.core.request import WAIT_CAUSES
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.async_engine import AsyncEngine
 from conveyor.engine.messages import CoreLoad, StepOutputs, TokenDelta
 from conveyor.engine.stats import EngineStats, StepStats
 

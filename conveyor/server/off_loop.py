@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from conveyor.engine.chat_template import RENDER_TIMEOUT_S, ChatTemplateLimit
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.chat_template import RENDER_TIMEOUT_S, ChatTemplateLimit
+from conveyor.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

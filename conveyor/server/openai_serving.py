@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.config import GrammarLimits
-from conveyor.engine.admission import truncate_prompt
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.admission import truncate_prompt
+from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.batch_api import is_batch_request

@@ -78,9 +78,9 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, concurr
     """Run the batch; returns 0 when every request succeeded, 1 when some failed."""
     from tqdm import tqdm
 
-    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.front.async_engine import AsyncEngine
     from conveyor.engine.core_client import ThreadCoreClient
-    from conveyor.engine.engine import LLMEngine
+    from conveyor.front.llm_engine import LLMEngine
     from conveyor.server.app import build_app
 
     skip = done_ids(output_path)

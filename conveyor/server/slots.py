@@ -22,7 +22,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import InvalidRequest
 from conveyor.runtime import named_prompts
 

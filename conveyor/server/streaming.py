@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conveyor.engine.async_engine import AsyncEngine, OutputQueue
-from conveyor.engine.front import Choices
+from conveyor.front.async_engine import AsyncEngine, OutputQueue
+from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams

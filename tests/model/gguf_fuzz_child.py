@@ -16,7 +16,7 @@ from conveyor.model.loader import load_model
 
 def _check(path: Path, lib: kernels.KernelLibrary | None) -> str:
     """"loaded" or "error" (a clean one) for the model; the tokenizer is read too."""
-    from conveyor.engine.gguf_vocab import tokenizer_from_gguf
+    from conveyor.text.gguf_vocab import tokenizer_from_gguf
 
     outcome = "loaded"
     try:

@@ -17,8 +17,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 regex = pytest.importorskip("regex")
 
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf  # noqa: E402
-from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from conveyor.text.gguf_vocab import tokenizer_from_gguf  # noqa: E402
+from conveyor.text.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -267,7 +267,7 @@ def test_the_cli_reports_a_crafted_file_with_status_2(tmp_path: Path, command: s
 
 
 def test_a_merge_outside_the_vocabulary_is_a_clean_error(tmp_path: Path) -> None:
-    from conveyor.engine.gguf_vocab import tokenizer_from_gguf
+    from conveyor.text.gguf_vocab import tokenizer_from_gguf
 
     spec = tiny_spec()
     spec.kv["tokenizer.ggml.merges"] = (ARRAY, (STRING, ["a c"]))

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.gguf_vocab import tokenizer_from_gguf
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.model.gguf_metadata import read_gguf_metadata
 
 pytestmark = pytest.mark.real_model

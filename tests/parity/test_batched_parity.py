@@ -7,7 +7,7 @@ import random
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.engine import LLMEngine
+from conveyor.front.llm_engine import LLMEngine
 
 pytest.importorskip("gguf")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import EngineConfig
-from conveyor.engine.engine import LLMEngine
+from conveyor.front.llm_engine import LLMEngine
 from conveyor.runtime.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.engine.core_client import ThreadCoreClient
-from conveyor.engine.engine import LLMEngine
+from conveyor.front.llm_engine import LLMEngine
 from conveyor.server.api_server import ConveyorServer, build_server
 
 API_KEY = "test-key-123"

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from server_helpers import core_pid, launch_server_process, slow_steps, sse_events, start_server, wait_for
 
-from conveyor.engine.core_watchdog import CoreWatchdog
+from conveyor.front.core_watchdog import CoreWatchdog
 
 RUNAWAY_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 

@@ -14,8 +14,8 @@ from server_helpers import RunningServer, start_server
 
 from conveyor.cli import generate
 from conveyor.cli.flags import parse_args
-from conveyor.engine import chat_template
-from conveyor.engine.chat_template import ChatTemplateLimit
+from conveyor.text import chat_template
+from conveyor.text.chat_template import ChatTemplateLimit
 
 NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for m in messages %}"
                 "{{ '' }}{% endfor %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}")

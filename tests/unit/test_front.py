@@ -10,9 +10,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conveyor.config import SchedulerConfig
-from conveyor.engine.admission import check_request
-from conveyor.engine.front import Choices
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.admission import check_request
+from conveyor.front.front import Choices
+from conveyor.front.async_engine import AsyncEngine
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
     AbortRequests,
@@ -25,8 +25,8 @@ from conveyor.engine.messages import (
     StepOutputs,
     TokenDelta,
 )
-from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.front.output_processor import OutputProcessor
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from conveyor.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.gguf_vocab import _GGUF_PRE, _SPLITS, _make_pre_tokenizer
+from conveyor.text.gguf_vocab import _GGUF_PRE, _SPLITS, _make_pre_tokenizer
 
 regex = pytest.importorskip("regex")
 

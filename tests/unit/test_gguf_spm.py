@@ -13,9 +13,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.gguf_spm import cached_spm_merges, spm_merges
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.gguf_spm import cached_spm_merges, spm_merges
+from conveyor.text.gguf_vocab import tokenizer_from_gguf
+from conveyor.text.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 spm = pytest.importorskip("sentencepiece")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.gguf_vocab import _GGUF_PRE, _make_pre_tokenizer, _merges, tokenizer_from_gguf
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.gguf_vocab import _GGUF_PRE, _make_pre_tokenizer, _merges, tokenizer_from_gguf
+from conveyor.text.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 

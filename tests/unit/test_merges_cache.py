@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conveyor.engine.gguf_spm import cached_spm_merges, spm_merges
+from conveyor.text.gguf_spm import cached_spm_merges, spm_merges
 
 TOKENS = ["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "bca"]
 VOCAB = {t: i for i, t in enumerate(TOKENS)}

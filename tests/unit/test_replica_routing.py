@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from conveyor.config import ReplicaConfig
 from conveyor.core.block_manager import hash_block
-from conveyor.engine.tokenizer_loader import load_tokenizer
+from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.replicas.http_bridge import REPLICA_HEADER, ForwardedRequest, call_app
 from conveyor.replicas.metrics_merge import MetricsStore, merge_metrics
 from conveyor.replicas.prompt_prefix import PromptPrefix

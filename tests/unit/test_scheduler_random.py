@@ -20,7 +20,7 @@ from conveyor.core.plan import StepPlan
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.step_cost import StepCost, StepCostModel
-from conveyor.engine.admission import check_request
+from conveyor.front.admission import check_request
 from conveyor.engine.messages import CoreInfo
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine.structured_output import GrammarCompiler, StructuredOutputs
-from conveyor.engine.tokenizer_loader import load_tokenizer
+from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.errors import InvalidRequest
 from conveyor.runtime.sampler import unpack_bitmask
 from conveyor.sampling_params import StructuredOutputsParams

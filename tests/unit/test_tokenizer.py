@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf
-from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from conveyor.engine.tokenizer_loader import tokenizer_from_hf_folder
+from conveyor.text.gguf_vocab import tokenizer_from_gguf
+from conveyor.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.text.tokenizer_loader import tokenizer_from_hf_folder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

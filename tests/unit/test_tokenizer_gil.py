@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from conveyor.engine.tokenizer import RELEASE_GIL_CHARS, Tokenizer
+from conveyor.text.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog, héllo wörld 日本 <|endoftext|> "
 

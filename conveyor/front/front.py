@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor.engine.admission import bad_words_token_ids, check_request, check_token_ids, truncate_prompt
+from conveyor.front.admission import bad_words_token_ids, check_request, check_token_ids, truncate_prompt
 from conveyor.engine.messages import CoreInfo, CoreRequest, RequestOutput, TokenDelta
-from conveyor.engine.output_processor import OutputProcessor
+from conveyor.front.output_processor import OutputProcessor
 from conveyor.engine.structured_output import GrammarCompiler, grammar_compiler
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.sampling_params import SamplingParams
 
 

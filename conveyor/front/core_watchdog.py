@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.front.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.gguf_spm import DEFAULT_MERGES_CACHE, spm_backend
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.gguf_spm import DEFAULT_MERGES_CACHE, spm_backend
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.model.gguf_metadata import GGUFValue, read_gguf_metadata
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from conveyor.engine.core_client import CoreClient
-from conveyor.engine.front import Front
+from conveyor.front.front import Front
 from conveyor.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -26,9 +26,9 @@ from conveyor.engine.messages import (
     StepOutputs,
     WatchBatch,
 )
-from conveyor.engine.output_processor import OutputProcessor
+from conveyor.front.output_processor import OutputProcessor
 from conveyor.engine.structured_output import GrammarCompiler
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
 from conveyor.sampling_params import SamplingParams
 

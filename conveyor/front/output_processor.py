@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.engine.messages import RequestOutput, TokenDelta
-from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.sampling_params import SamplingParams
 
 

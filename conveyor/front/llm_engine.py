@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 from conveyor.config import EngineConfig
 from conveyor.core.request import FinishReason
 from conveyor.engine.core import EngineCore
-from conveyor.engine.front import Front
+from conveyor.front.front import Front
 from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.errors import InvalidRequest
-from conveyor.engine.tokenizer import Tokenizer
-from conveyor.engine.tokenizer_loader import load_tokenizer
+from conveyor.text.tokenizer import Tokenizer
+from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.model.checkpoint import default_model_name
 from conveyor.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.chat_template import compile_chat_template, render_chat_template, takes_tools
+from conveyor.text.chat_template import compile_chat_template, render_chat_template, takes_tools
 from conveyor.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from conveyor.engine.chat_template import pick_chat_template, read_chat_template
-from conveyor.engine.gguf_vocab import tokenizer_from_gguf
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.text.chat_template import pick_chat_template, read_chat_template
+from conveyor.text.gguf_vocab import tokenizer_from_gguf
+from conveyor.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

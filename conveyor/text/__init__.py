@@ -1,0 +1,1 @@
+"""Text: tokenizers (Hugging Face folders, GGUF vocabularies) and chat templates."""
