@@ -3,7 +3,7 @@
     python scripts/trace_request.py [--model PATH] [--max-tokens 8] [--walk] [--json OUT]
 
 The server is the one `conveyor serve --no-core-process` runs (the engine core on a thread of the same
-process, so one profiler sees both halves: front and core), on a free loopback port. One streamed
+process, so one profiler sees both halves: front and core; a 64 MiB KV cache), on a free loopback port. One streamed
 `/v1/chat/completions` request warms it up untraced; the second is traced with `threading.setprofile`
 from the moment it is sent until its stream has ended and the server has finished with it.
 
