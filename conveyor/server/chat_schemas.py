@@ -37,7 +37,7 @@ def refuse_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, tup
             if value is not None and value not in accepted:
                 raise InvalidRequest(f"{name}: {reason}", param=name)
         elif value is not None:
-            raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (the README lists "
+            raise InvalidRequest(f"{name}: unknown field; conveyor does not support it (docs/api.md lists "
                                  f"every request field)", param=name)
 
 

@@ -5,7 +5,7 @@ a number, text must be valid Unicode), and converts a request to SamplingParams.
 by SamplingParams, and what needs the model (vocabulary, context length) by admission, so the
 offline API refuses the same values with the same message and `param`. A request field conveyor does
 not act on is a 400 naming it, never silently ignored: OpenAI fields it does not support say why,
-unknown fields say so (the README has the table of every field). The fields both endpoints share are
+unknown fields say so (docs/api.md has the table of every field). The fields both endpoints share are
 in sampling_request.py; a chat's messages and tools have their schemas in chat_schemas.py.
 """
 

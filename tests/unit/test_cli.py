@@ -136,14 +136,16 @@ def test_sharing_and_batch_flags() -> None:
     assert batch.input_file == "in.jsonl" and batch.output_file == "out.jsonl" and batch.max_num_seqs == 4
 
 
-def test_readme_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
+def test_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
     from pathlib import Path
 
     from conveyor.cli.flags import build_parser
     from conveyor.config import CacheConfig
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme.split("The flags most users reach for first", 1)[1].split("\n\n", 2)[1]
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    serving = (root / "docs" / "serving.md").read_text()
+    table = serving.split("The flags most users reach for first", 1)[1].split("\n\n", 2)[1]
     flags = set(re.findall(r"`(--[a-z-]+|-[a-z]+)\b", table))
     serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
     known = {option for action in serve._actions for option in action.option_strings}
