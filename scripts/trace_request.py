@@ -117,7 +117,7 @@ def trace(model: str | None, max_tokens: int, threads: int) -> tuple[Recorder, s
     """Start the server (its threads inherit the hook), warm it up, trace one streamed chat request."""
     from conveyor.config import EngineConfig, ServerConfig
     from conveyor.engine.core_client import ThreadCoreClient
-    from conveyor.engine.engine import LLMEngine
+    from conveyor.front.llm_engine import LLMEngine
     from conveyor.server.api_server import build_server
 
     recorder = Recorder()

@@ -22,13 +22,13 @@ def load_script():  # noqa: ANN201
 def test_walk_merges_runs_of_one_file_and_counts_each_return_to_a_file_left() -> None:
     trace = load_script()
     runs = [("conveyor/server/app.py", "route", "t"), ("conveyor/server/app.py", "helper", "t"),
-            ("conveyor/engine/front.py", "add", "t"), ("conveyor/core/scheduler.py", "schedule", "core"),
-            ("conveyor/engine/front.py", "process", "t"), ("conveyor/server/app.py", "send", "t"),
+            ("conveyor/front/front.py", "add", "t"), ("conveyor/core/scheduler.py", "schedule", "core"),
+            ("conveyor/front/front.py", "process", "t"), ("conveyor/server/app.py", "send", "t"),
             ("conveyor/errors.py", "init", "t")]
     segments = trace.walk(runs)
     assert [(s.file, s.functions, s.is_reentry) for s in segments] == [
-        ("conveyor/server/app.py", ("route", "helper"), False), ("conveyor/engine/front.py", ("add",), False),
-        ("conveyor/core/scheduler.py", ("schedule",), False), ("conveyor/engine/front.py", ("process",), True),
+        ("conveyor/server/app.py", ("route", "helper"), False), ("conveyor/front/front.py", ("add",), False),
+        ("conveyor/core/scheduler.py", ("schedule",), False), ("conveyor/front/front.py", ("process",), True),
         ("conveyor/server/app.py", ("send",), True), ("conveyor/errors.py", ("init",), False)]
     floors = trace.walk(runs, by_package=True)
     assert [s.file for s in floors] == ["conveyor/server", "conveyor/engine", "conveyor/core", "conveyor/engine",
