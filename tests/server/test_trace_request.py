@@ -31,7 +31,7 @@ def test_walk_merges_runs_of_one_file_and_counts_each_return_to_a_file_left() ->
         ("conveyor/core/scheduler.py", ("schedule",), False), ("conveyor/front/front.py", ("process",), True),
         ("conveyor/server/app.py", ("send",), True), ("conveyor/errors.py", ("init",), False)]
     floors = trace.walk(runs, by_package=True)
-    assert [s.file for s in floors] == ["conveyor/server", "conveyor/engine", "conveyor/core", "conveyor/engine",
+    assert [s.file for s in floors] == ["conveyor/server", "conveyor/front", "conveyor/core", "conveyor/front",
                                         "conveyor/server", "conveyor/*.py"]
 
 
