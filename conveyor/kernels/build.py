@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "stream.c", "shm_reduce.c")
 HEADERS = ("pool.h", "kquant.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
-SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf_validate.py)
+SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf/validate.py)
 DEFAULT_CACHE_DIR = CACHE_ROOT / "conveyor" / "kernels"
 MAX_LIBRARY_BYTES = 256 << 20
 

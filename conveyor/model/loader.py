@@ -14,9 +14,9 @@ import torch
 from conveyor.config import QUANTIZATIONS
 from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary
-from conveyor.model import gguf_quant
+from conveyor.model.gguf import quant as gguf_quant
 from conveyor.model.families import model_class
-from conveyor.model.gguf_model import arch_from_gguf, open_gguf, open_gguf_reader
+from conveyor.model.gguf.model import arch_from_gguf, open_gguf, open_gguf_reader
 from conveyor.model.hf_folder import arch_from_hf_config, open_hf_folder, read_hf_config
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaModel, ModelArch

@@ -25,7 +25,7 @@ import torch
 
 from conveyor.core.plan import ScheduledRow, StepPlan
 from conveyor.errors import ModelLoadError
-from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.model.gguf.metadata import read_gguf_metadata
 from conveyor.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

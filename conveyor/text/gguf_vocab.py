@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from conveyor.text.gguf_spm import DEFAULT_MERGES_CACHE, spm_backend
 from conveyor.text.tokenizer import Tokenizer
-from conveyor.model.gguf_metadata import GGUFValue, read_gguf_metadata
+from conveyor.model.gguf.metadata import GGUFValue, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
 

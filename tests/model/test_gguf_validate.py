@@ -18,7 +18,7 @@ import torch
 
 from conveyor import kernels
 from conveyor.errors import ModelLoadError
-from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.model.gguf.metadata import read_gguf_metadata
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_model, read_arch
 

@@ -16,7 +16,7 @@ import pytest
 
 from conveyor.text.gguf_vocab import tokenizer_from_gguf
 from conveyor.text.tokenizer import Tokenizer
-from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.model.gguf.metadata import read_gguf_metadata
 
 pytestmark = pytest.mark.real_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conveyor.model.gguf_metadata import read_gguf_metadata
+from conveyor.model.gguf.metadata import read_gguf_metadata
 
 gguf = pytest.importorskip("gguf")
 

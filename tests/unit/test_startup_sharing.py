@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.gguf_model import gguf_reader
+from conveyor.model.gguf.model import gguf_reader
 from conveyor.runtime.kv_cache import _zeros
 
 gguf = pytest.importorskip("gguf")

@@ -1,4 +1,4 @@
-"""A GGUF file -> ModelArch and Hugging Face-named tensors (the kept-quantized layers aside: gguf_quant)."""
+"""A GGUF file -> ModelArch and Hugging Face-named tensors (the kept-quantized layers aside: quant.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary
-from conveyor.model import gguf_quant
+from conveyor.model.gguf import quant as gguf_quant
 from conveyor.model.checkpoint import GGUF_ARCHITECTURES, SUPPORTED
-from conveyor.model.gguf_file import GGUFFile
-from conveyor.model.gguf_validate import (MAX_ARCH_VALUE, SCANNED_TYPES, check_arch, check_dequantized,
+from conveyor.model.gguf.file import GGUFFile
+from conveyor.model.gguf.validate import (MAX_ARCH_VALUE, SCANNED_TYPES, check_arch, check_dequantized,
                                           check_finite, check_shapes, metadata_float, metadata_int)
 from conveyor.model.llama import ModelArch
 
@@ -29,7 +29,7 @@ def open_gguf_reader(path: Path) -> GGUFFile:
 
 def gguf_reader(path: Path) -> GGUFFile:
     """A GGUF file's parsed metadata and mapped tensors for the weights' loaders (the tokenizer reads
-    its own keys with gguf_metadata.py). Keyed by the file's identity, so a rewritten file is parsed again."""
+    its own keys with metadata.py). Keyed by the file's identity, so a rewritten file is parsed again."""
     stat = path.stat()
     return _parsed_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
@@ -163,7 +163,7 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | None = None
                ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None,
                           gguf_quant.KeepPlan | None]:
-    """With `keep`, also the plan of which tensors stay in their formats (gguf_quant); the weights
+    """With `keep`, also the plan of which tensors stay in their formats (quant.py); the weights
     iterator then dequantizes only the others. Every block scale and float weight is checked finite
     before it is used (with the kernels' scan where given)."""
     import gguf
@@ -179,7 +179,7 @@ def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | No
                 row_orders[t.name] = _unpermute_rope_rows(np.arange(int(t.shape[-1])), heads)
     plan = gguf_quant.plan_kept(reader, arch, row_orders) if keep else None
     skipped = plan.skipped if plan is not None else set()
-    # A kept layer's tensors are scanned just before their repack reads them (gguf_quant), the rest now.
+    # A kept layer's tensors are scanned just before their repack reads them (quant.py), the rest now.
     repacked = {part.tensor.name for parts in (plan.layers.values() if plan else ()) for part in parts}
     check_finite([t for t in reader.tensors if t.name not in repacked], kernel_library)
     freq_factors = None

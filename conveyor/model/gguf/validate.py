@@ -173,7 +173,7 @@ def readable(kind: object) -> bool:
     return True
 
 
-def check_shapes(arch, family: str, tensors: Iterable) -> None:  # noqa: ANN001 - ModelArch, gguf_file.Tensor
+def check_shapes(arch, family: str, tensors: Iterable) -> None:  # noqa: ANN001 - ModelArch, file.Tensor
     """Every tensor has a type we can read and the shape the metadata implies (so the kernels' N and K
     are the layer's)."""
     tensors = list(tensors)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelLibrary, quant
-from conveyor.model.gguf_validate import SCANNED_TYPES, check_dequantized, check_finite
+from conveyor.model.gguf.validate import SCANNED_TYPES, check_dequantized, check_finite
 from conveyor.model.quant import PendingQuantLinear, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)

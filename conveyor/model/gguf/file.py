@@ -1,9 +1,9 @@
 """A GGUF file opened the way llama.cpp opens it: the header parsed once, the tensor data memory-mapped.
 
-The metadata is read by gguf_metadata.py (the tokenizer's big arrays are stepped over: the tokenizer
+The metadata is read by metadata.py (the tokenizer's big arrays are stepped over: the tokenizer
 reads them itself); tensors expose what the loaders use of gguf's `ReaderTensor` (name, tensor_type,
 shape, data), with `data` a view into the map, so nothing is copied until a loader asks. The tensor
-table is checked whole (gguf_validate.check_layout) before any view is made.
+table is checked whole (validate.check_layout) before any view is made.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.model.gguf_metadata import GGUFValue, parse_header
-from conveyor.model.gguf_validate import MAX_DIMS, TensorInfo, check_alignment, check_layout
+from conveyor.model.gguf.metadata import GGUFValue, parse_header
+from conveyor.model.gguf.validate import MAX_DIMS, TensorInfo, check_alignment, check_layout
 
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                  "I32": np.int32, "I64": np.int64}

@@ -1,0 +1,1 @@
+"""GGUF files: the container, its metadata, validation, the model it holds, formats kept quantized."""
