@@ -85,6 +85,9 @@ class EngineCore:
                     if spec.speculative == "ngram" else build_draft(config, runtime)
                     if spec.speculative == "draft_model" else None)
         self.draft = proposer if isinstance(proposer, DraftModelProposer) else None
+        if self.draft is not None:   # seeded requests' guesses are drawn with a copy of their own generator
+            self.draft.sampling_of = lambda request_id: ((live.request, live.generator)
+                                                         if (live := self._live.get(request_id)) else None)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, clock, self.cost_model,
                                    proposer, spec.num_speculative_tokens)
         self.sampler = Sampler(self.device)

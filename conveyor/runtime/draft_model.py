@@ -10,28 +10,42 @@ rejected guess only shortens it), the rest is computed in chunks, then it decode
 The scheduler asks it through the pure `Proposer` interface; the seconds it spends are reported
 (`take_seconds`) so that the step's cost model learns the target's cost alone, and
 `cost_per_token_s` is what one more guess costs here.
+
+Greedy requests get the draft's argmax. A seeded request's guesses are drawn by the same sampler,
+with the request's parameters and a copy of its generator as the model's step will find it: guess i
+meets the very noise the model's position i draws, so where the two distributions are close the two
+draws land on the same token (coupled sampling), and a seeded request keeps most guesses instead of
+only those that fall on the draft's top token. Unseeded random requests draw from the shared
+generator, which cannot be copied ahead: their guesses stay greedy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from conveyor.core.plan import ScheduledRow, StepPlan
+from conveyor.core.request import Request
 from conveyor.errors import ModelLoadError
 from conveyor.model.gguf.metadata import read_gguf_metadata
 from conveyor.runtime.model_runner import ModelRunner
+from conveyor.runtime.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
 _CATCH_UP_CHUNK = 512   # most context tokens the draft computes in one forward
 _COST_SMOOTHING = 0.2   # weight of the newest one-token forward in cost_per_token_s
+
+
+# request id -> the request and its own generator (None: unseeded), as the model's next step will sample it
+SamplingSource = Callable[[str], "tuple[Request, torch.Generator | None] | None"]
 
 
 @dataclass(slots=True)
@@ -52,6 +66,8 @@ class DraftModelProposer:
         self._states: dict[str, _DraftState] = {}
         self.cost_per_token_s = 0.0   # a one-token draft forward, smoothed; 0 until measured
         self._seconds = 0.0           # spent since the last take_seconds
+        self.sampling_of: SamplingSource | None = None   # set by the engine core; None: every guess greedy
+        self._sampler = Sampler(runner.device)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         length = len(token_ids)
@@ -85,16 +101,37 @@ class DraftModelProposer:
         while len(pending) > _CATCH_UP_CHUNK:
             self._forward(request_id, state, pending[:_CATCH_UP_CHUNK], sample=False)
             del pending[:_CATCH_UP_CHUNK]
-        guesses = [self._forward(request_id, state, pending, sample=True)]
+        choose = self._chooser(request_id)
+        guesses = [choose(self._forward(request_id, state, pending, sample=True), [])]
         while len(guesses) < max_tokens and guesses[-1] < self.target_vocab_size:
             started = time.perf_counter()
-            guesses.append(self._forward(request_id, state, guesses[-1:], sample=True))
+            guesses.append(choose(self._forward(request_id, state, guesses[-1:], sample=True), guesses))
             spent = time.perf_counter() - started
             self.cost_per_token_s = (spent if self.cost_per_token_s == 0.0 else
                                      (1 - _COST_SMOOTHING) * self.cost_per_token_s + _COST_SMOOTHING * spent)
         # A token beyond the target's vocabulary (a padded draft row) can never be accepted.
         valid = next((i for i, token in enumerate(guesses) if token >= self.target_vocab_size), len(guesses))
         return guesses[:valid]
+
+    def _chooser(self, request_id: str) -> Callable[[torch.Tensor, list[int]], int]:
+        """How this request's guesses are picked from the draft's logits (1, V), given the guesses so far."""
+        source = self.sampling_of(request_id) if self.sampling_of is not None else None
+        if source is None or source[1] is None or source[0].params.is_greedy:
+            return lambda logits, guesses: int(torch.argmax(logits[0]))
+        request, generator = source
+        copy = torch.Generator(device=generator.device)
+        copy.set_state(generator.get_state())   # the draws the model's step will make, in its order
+        params = dataclasses.replace(request.params, logprobs=None)
+
+        def draw(logits: torch.Tensor, guesses: list[int]) -> int:
+            if logits.shape[1] < self.target_vocab_size:   # the same number of draws a position as the model's
+                logits = torch.nn.functional.pad(logits, (0, self.target_vocab_size - logits.shape[1]),
+                                                 value=float("-inf"))
+            row = SamplingRow(params, request.prompt_token_ids, request.output_token_ids + guesses, copy,
+                              request.eos_token_ids)
+            return self._sampler.sample(logits[:, :self.target_vocab_size], [row]).token_ids[0]
+
+        return draw
 
     def _reserve(self, state: _DraftState, num_tokens: int) -> bool:
         needed = -(-num_tokens // self.block_size) - len(state.blocks)
@@ -104,13 +141,13 @@ class DraftModelProposer:
             state.blocks.append(self._free.pop())
         return True
 
-    def _forward(self, request_id: str, state: _DraftState, tokens: list[int], sample: bool) -> int:
-        """Compute `tokens` after the draft's context; with `sample`, its greedy next token."""
+    def _forward(self, request_id: str, state: _DraftState, tokens: list[int], sample: bool) -> torch.Tensor:
+        """Compute `tokens` after the draft's context; with `sample`, the logits (1, V) after the last."""
         row = ScheduledRow(request_id=request_id, token_ids=tokens, start_position=len(state.token_ids),
                            block_table=state.blocks, is_sampling=sample, is_prefill=len(tokens) > 1)
         logits = self.runner.execute(StepPlan(rows=(row,)))
         state.token_ids.extend(tokens)
-        return int(torch.argmax(logits[0])) if sample else -1
+        return logits
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -77,8 +77,15 @@ def test_seeded_sampling_penalties_and_stops_are_unchanged(plain: LLM, drafted: 
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=NUM_TOKENS,
                              repetition_penalty=1.1 if i % 2 else 1.0, stop=[" the"] if i == 1 else [])
               for i in range(len(prompts))]
-    assert_same_tokens(drafted.generate(prompts, params, use_tqdm=False),
-                       plain.generate(prompts, params, use_tqdm=False), "draft-model seeded")
+    stats = drafted.engine.stats
+    accepted, guessed = stats.num_accepted_tokens, stats.num_draft_tokens
+    outputs = [drafted.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert_same_tokens(outputs, plain.generate(prompts, params, use_tqdm=False), "draft-model seeded")
+    # Guesses drawn with a copy of the request's generator land where the model's draw lands: most
+    # hold at temperature 0.8, where the draft's top token alone would often miss.
+    accepted, guessed = stats.num_accepted_tokens - accepted, stats.num_draft_tokens - guessed
+    print(f"seeded: {accepted}/{guessed} guesses held")
+    assert guessed > 0 and accepted >= 0.75 * guessed
 
 
 def test_a_draft_of_another_vocabulary_is_refused(bundled: str, tiny_llama: Path) -> None:
