@@ -42,7 +42,7 @@ from conveyor.runtime.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.engine.thinking_budget import ThinkingBudgets
 from conveyor.errors import ConveyorError, InvalidRequest
-from conveyor.runtime.runtime_builder import Runtime, build_draft, build_runtime
+from conveyor.runtime.runtime_builder import Runtime, build_draft, build_runtime, log_batching
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.draft_model import DraftModelProposer
 from conveyor.runtime.prefix_tier import build_disk_tier
@@ -113,19 +113,7 @@ class EngineCore:
                              if self.quantization != "none" else str(self.dtype).removeprefix("torch."))
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
-        sched = config.scheduler
-        logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d, "
-                    "long prompts (over %d tokens) lengthen a decoding step by at most %s, step alone %s",
-                    "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
-                    sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
-                    "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
-                    else f"{sched.long_prefill_max_slowdown:g}x its decode time",
-                    "up to the token budget" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
-                    else f"at most {sched.long_prefill_max_chunk} tokens")
-        if proposer is not None:
-            logger.info("speculative decoding: %s, up to %d draft tokens per decode%s", spec.speculative,
-                        spec.num_speculative_tokens, f", n-grams {spec.ngram_prompt_lookup_min}.."
-                        f"{spec.ngram_prompt_lookup_max}" if self.draft is None else f" from {spec.speculative_model}")
+        log_batching(config, with_proposer=proposer is not None)
 
     # ------------------------------------------------------------ requests
 
@@ -336,6 +324,9 @@ class EngineCore:
 
     def _run(self, plan: StepPlan, drafts: DraftTally) -> list[TokenDelta]:
         logits = self.runner.execute(plan)
+        if self.draft is not None:   # the draft reads the same prompt chunks, so its guesses never wait on one
+            self.draft.follow([row for row in plan.rows if row.is_prefill and row.request_id in self._live
+                               and self._live[row.request_id].request.can_speculate])
         rows = [row for row in plan.rows if row.is_sampling]
         num_sampled = sum(row.num_logits for row in rows)
         if logits.shape[0] > num_sampled:   # the positions that score prompts follow the sampling rows'

@@ -84,6 +84,30 @@ class DraftModelProposer:
         if state is not None:
             self._free.extend(reversed(state.blocks))
 
+    def follow(self, rows: Sequence[ScheduledRow]) -> None:
+        """Compute the prompt chunks the model just computed (`rows`, prefill rows) in one draft forward,
+        so a request's first guesses find its prompt there and no later step stalls on a whole prompt.
+        A row the draft cannot continue (it missed an earlier chunk, or is out of blocks) is left to
+        `propose`'s catch-up."""
+        started = time.perf_counter()
+        batch = []
+        for row in rows:
+            state = self._states.setdefault(row.request_id, _DraftState())
+            if len(state.token_ids) < row.start_position:
+                continue
+            del state.token_ids[row.start_position:]   # a recompute after preemption starts over here
+            if not self._reserve(state, row.start_position + row.num_tokens):
+                self.forget(row.request_id)
+                continue
+            batch.append((state, ScheduledRow(request_id=row.request_id, token_ids=list(row.token_ids),
+                                              start_position=row.start_position, block_table=list(state.blocks),
+                                              is_sampling=False, is_prefill=True)))
+        if batch:
+            self.runner.execute(StepPlan(rows=tuple(row for _, row in batch)))
+            for state, row in batch:
+                state.token_ids.extend(row.token_ids)
+        self._seconds += time.perf_counter() - started
+
     def take_seconds(self) -> float:
         """Seconds spent guessing since the last call."""
         seconds, self._seconds = self._seconds, 0.0

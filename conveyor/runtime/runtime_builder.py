@@ -129,3 +129,20 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
                 str(dtype).removeprefix("torch."), getattr(model, "weight_formats", None) or quantization,
                 kv_cache.num_blocks, time.perf_counter() - started)
     return DraftModelProposer(ModelRunner(model, kv_cache, device), max_model_len, runtime.model.vocab_size)
+
+
+def log_batching(config: EngineConfig, with_proposer: bool) -> None:
+    """The batching choices, as the scheduler will apply them, and speculative decoding's."""
+    sched, spec = config.scheduler, config.speculative
+    logger.info("batching: target ITL %s, max_num_seqs %d, max_num_batched_tokens %d, min_prefill_chunk %d, "
+                "long prompts (over %d tokens) lengthen a decoding step by at most %s, step alone %s",
+                "off" if sched.target_itl_ms is None else f"{sched.target_itl_ms:g} ms", sched.max_num_seqs,
+                sched.max_num_batched_tokens, sched.min_prefill_chunk, sched.long_prefill_threshold,
+                "(no cap)" if sched.long_prefill_max_slowdown is None or sched.target_itl_ms is None
+                else f"{sched.long_prefill_max_slowdown:g}x its decode time",
+                "up to the token budget" if sched.long_prefill_max_chunk is None or sched.target_itl_ms is None
+                else f"at most {sched.long_prefill_max_chunk} tokens")
+    if with_proposer:
+        logger.info("speculative decoding: %s, up to %d draft tokens per decode%s", spec.speculative,
+                    spec.num_speculative_tokens, f" from {spec.speculative_model}" if spec.speculative_model
+                    else f", n-grams {spec.ngram_prompt_lookup_min}..{spec.ngram_prompt_lookup_max}")

@@ -99,3 +99,21 @@ def test_folder_pair_with_a_poor_draft_is_unchanged(tiny_llama: Path, tiny_qwen2
     plain = LLM(model=str(tiny_llama), kv_cache_memory="64MiB").generate(prompts, GREEDY, use_tqdm=False)
     drafted = LLM(model=str(tiny_llama), speculative_model=str(tiny_qwen2), kv_cache_memory="64MiB")
     assert_same_tokens(drafted.generate(prompts, GREEDY, use_tqdm=False), plain, "poor draft")
+
+
+def test_the_draft_reads_prompt_chunks_as_the_model_computes_them(bundled: str) -> None:
+    """A prompt computed in chunks is in the draft's cache by its first token: no step catches up on it."""
+    llm = LLM(speculative_model=bundled, max_num_batched_tokens=16, **{**MODEL, "max_num_seqs": 2})
+    engine = llm.engine
+    prompt = engine.encode_prompt("def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n"
+                                  "            print('FizzBuzz')\n        elif i % 3 == 0:\n")
+    assert len(prompt) > 32
+    engine.add_request(prompt, GREEDY, request_id="long")
+    while not engine.core.scheduler.requests["long"].output_token_ids:
+        engine.step()
+    assert engine.core.draft._states["long"].token_ids == prompt
+    reference = LLM(max_num_batched_tokens=16, **MODEL).generate([prompt], GREEDY, use_tqdm=False)[0]
+    tokens = list(engine.core.scheduler.requests["long"].output_token_ids)
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens[:len(reference.token_ids)] == reference.token_ids
