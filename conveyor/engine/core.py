@@ -136,6 +136,11 @@ class EngineCore:
         if request.request_id in self._live:   # the scheduler does not see requests still compiling
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         generator = make_generator(params, self.device)
+        if generator is None and self.draft is not None and not params.is_greedy:
+            # A generator of its own, seeded from the shared one: the same distribution, and the draft can
+            # copy it to draw its guesses with the model's noise.
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(torch.randint(2**62, ())))
         if params.structured_outputs is not None:
             # Scheduled once its grammar is compiled, off the step path; the batch goes on meanwhile.
             self.structured.submit(request.request_id, params.structured_outputs)

@@ -15,8 +15,8 @@ Greedy requests get the draft's argmax. A seeded request's guesses are drawn by 
 with the request's parameters and a copy of its generator as the model's step will find it: guess i
 meets the very noise the model's position i draws, so where the two distributions are close the two
 draws land on the same token (coupled sampling), and a seeded request keeps most guesses instead of
-only those that fall on the draft's top token. Unseeded random requests draw from the shared
-generator, which cannot be copied ahead: their guesses stay greedy.
+only those that fall on the draft's top token. The engine core gives an unseeded random request a
+generator of its own when a draft runs (seeded from the shared one), so its guesses couple too.
 """
 
 from __future__ import annotations

@@ -117,3 +117,14 @@ def test_the_draft_reads_prompt_chunks_as_the_model_computes_them(bundled: str) 
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
     assert tokens[:len(reference.token_ids)] == reference.token_ids
+
+
+def test_unseeded_sampling_guesses_are_drawn_with_the_models_noise(drafted: LLM, prompts) -> None:
+    """An unseeded random request gets a generator of its own beside a draft, so its guesses couple too."""
+    stats = drafted.engine.stats
+    accepted, guessed = stats.num_accepted_tokens, stats.num_draft_tokens
+    params = SamplingParams(temperature=0.8, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = [drafted.generate([p], params, use_tqdm=False)[0] for p in prompts[:3]]
+    assert all(len(o.token_ids) == NUM_TOKENS for o in outputs)
+    accepted, guessed = stats.num_accepted_tokens - accepted, stats.num_draft_tokens - guessed
+    assert guessed > 0 and accepted >= 0.75 * guessed
