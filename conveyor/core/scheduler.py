@@ -205,52 +205,56 @@ class Scheduler(PromptPhase):
 
         The j-th draft of a request is accepted with probability about acceptance**j (every earlier
         one must be too); it is granted while that raises the step's expected tokens per second, by
-        the cost model. No request is preempted for a guess; its slots come from free blocks (empty
-        ones first, as the free queue keeps them in front of cached prefixes).
+        the cost model. The proposer is asked once for every row's guesses (a draft model guesses
+        for all rows in the same forwards, so its cost per guess is shared by the rows that guess).
+        No request is preempted for a guess; its slots come from free blocks (empty ones first, as
+        the free queue keeps them in front of cached prefixes).
         """
         cost = self.cost_model.cost if self.cost_model is not None else None
         shape = StepShape.from_rows(rows)
         step_s = cost.predict_s(shape.num_tokens, shape.num_context_tokens, shape.num_sampling_rows) \
             if cost is not None else 0.0
         expected_tokens = float(len(rows))
-        for i, row in enumerate(rows):
-            request = self.requests[row.request_id]
-            if budget == 0:
-                break
-            if not request.can_speculate or row.is_prefill:
-                continue
+        eligible = [i for i, row in enumerate(rows)
+                    if self.requests[row.request_id].can_speculate and not row.is_prefill]
+        drafting_s = self.proposer.cost_per_token_s / max(1, len(eligible))
+        wanted: list[tuple[int, Request, int]] = []   # row index, request, guesses that pay
+        for i in eligible:
+            row, request = rows[i], self.requests[rows[i].request_id]
             cap = min(self.num_speculative_tokens, budget, request.max_tokens - len(request.output_token_ids) - 1,
                       self.max_model_len - request.num_tokens - 1,
                       self.blocks.capacity(request) - row.start_position - 1)
-            # How many guesses pay is settled before asking for them: a draft model spends time on each.
-            gains: list[tuple[float, float]] = []   # (seconds, expected tokens) of each guess worth taking
-            for j in range(cap):
-                if cost is None:
-                    gains.append((0.0, 0.0))
-                    continue
-                chance = request.draft_acceptance ** (j + 1)
-                # A guess is a sampled row too: it pays for the output layer as well, and for its drafting.
-                token_s = (cost.chunk_s(row.start_position + 1 + j, 1) + cost.per_sampling_row_s
-                           + self.proposer.cost_per_token_s)
-                if not worth_drafting(chance, token_s, step_s + sum(g[0] for g in gains),
-                                      expected_tokens + sum(g[1] for g in gains)):
-                    break
-                gains.append((token_s, chance))
-            if cap > 0 and not gains:
+            want = 0
+            while want < cap:
+                if cost is not None:
+                    chance = request.draft_acceptance ** (want + 1)
+                    # A guess is a sampled row too: it pays for the output layer as well, and for its drafting.
+                    token_s = cost.chunk_s(row.start_position + 1 + want, 1) + cost.per_sampling_row_s + drafting_s
+                    if not worth_drafting(chance, token_s, step_s, expected_tokens):
+                        break
+                    step_s += token_s
+                    expected_tokens += chance
+                want += 1
+            if cap > 0 and want == 0:
                 # Refused for a poor record: trust creeps back, so the request is tried again later.
                 request.draft_acceptance += 0.02 * (1.0 - request.draft_acceptance)
-                continue
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, len(gains)) if gains else []
-            granted = min(len(drafts), len(gains))
+            elif want:
+                wanted.append((i, request, want))
+                budget -= want   # held for its guesses; what the proposer does not guess comes back
+        if not wanted:
+            return budget
+        proposals = self.proposer.propose_many([(request.request_id, request.all_token_ids, want)
+                                                for _, request, want in wanted])
+        for (i, request, want), drafts in zip(wanted, proposals):
+            granted = min(len(drafts), want)
+            budget += want - granted
             if granted <= 0:
                 continue
-            step_s += sum(g[0] for g in gains[:granted])
-            expected_tokens += sum(g[1] for g in gains[:granted])
+            row = rows[i]
             self.blocks.allocate(request, row.start_position + 1 + granted)
             rows[i] = ScheduledRow(request_id=row.request_id, token_ids=row.token_ids + drafts[:granted],
                                    start_position=row.start_position, block_table=list(request.block_table),
                                    is_sampling=True, is_prefill=False, num_draft_tokens=granted)
-            budget -= granted
         return budget
 
     def _make_room(self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]) -> bool:

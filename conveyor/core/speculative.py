@@ -25,6 +25,10 @@ class Proposer(Protocol):
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
 
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        """`propose` for several requests at once: (request id, token ids, max tokens) each."""
+        ...
+
     def forget(self, request_id: str) -> None: ...
 
 
@@ -66,6 +70,9 @@ class NgramProposer:
             if start is not None:
                 return list(token_ids[start:min(start + max_tokens, length)])
         return []
+
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        return [self.propose(*ask) for ask in asks]
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

@@ -54,6 +54,18 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Guessing:
+    """One request's guessing in progress: what its next forward feeds, and its guesses so far."""
+
+    request_id: str
+    state: _DraftState
+    choose: Callable[[torch.Tensor, list[int]], int]
+    max_tokens: int
+    pending: list[int]
+    guesses: list[int]
+
+
 class DraftModelProposer:
     """Greedy guesses of a draft model; `runner` steps the draft over its own KV cache."""
 
@@ -70,12 +82,13 @@ class DraftModelProposer:
         self._sampler = Sampler(runner.device)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        length = len(token_ids)
-        if max_tokens <= 0 or length == 0 or length + max_tokens - 1 > self.max_model_len:
-            return []
+        return self.propose_many([(request_id, token_ids, max_tokens)])[0]
+
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        """Every request's guesses from the same forwards: one row per request, one forward per guess."""
         started = time.perf_counter()
         try:
-            return self._propose(request_id, token_ids, max_tokens)
+            return self._propose_many(asks)
         finally:
             self._seconds += time.perf_counter() - started
 
@@ -113,29 +126,41 @@ class DraftModelProposer:
         seconds, self._seconds = self._seconds, 0.0
         return seconds
 
-    def _propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        state = self._states.setdefault(request_id, _DraftState())
-        # The newest context token is always fed again: its logits give the first guess.
-        keep = min(_common_prefix(state.token_ids, token_ids), len(token_ids) - 1)
-        del state.token_ids[keep:]
-        if not self._reserve(state, len(token_ids) + max_tokens - 1):
-            self.forget(request_id)   # out of draft blocks: no guess, and nothing held
-            return []
-        pending = list(token_ids[keep:])
-        while len(pending) > _CATCH_UP_CHUNK:
-            self._forward(request_id, state, pending[:_CATCH_UP_CHUNK], sample=False)
-            del pending[:_CATCH_UP_CHUNK]
-        choose = self._chooser(request_id)
-        guesses = [choose(self._forward(request_id, state, pending, sample=True), [])]
-        while len(guesses) < max_tokens and guesses[-1] < self.target_vocab_size:
+    def _propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        guesses: list[list[int]] = [[] for _ in asks]
+        live: list[_Guessing] = []
+        for i, (request_id, token_ids, max_tokens) in enumerate(asks):
+            if max_tokens <= 0 or not token_ids or len(token_ids) + max_tokens - 1 > self.max_model_len:
+                continue
+            state = self._states.setdefault(request_id, _DraftState())
+            # The newest context token is always fed again: its logits give the first guess.
+            keep = min(_common_prefix(state.token_ids, token_ids), len(token_ids) - 1)
+            del state.token_ids[keep:]
+            if not self._reserve(state, len(token_ids) + max_tokens - 1):
+                self.forget(request_id)   # out of draft blocks: no guess, and nothing held
+                continue
+            pending = list(token_ids[keep:])
+            while len(pending) > _CATCH_UP_CHUNK:   # a context the draft has not followed: chunk by chunk
+                self._forward([(request_id, state, pending[:_CATCH_UP_CHUNK])], sample=False)
+                del pending[:_CATCH_UP_CHUNK]
+            live.append(_Guessing(request_id, state, self._chooser(request_id), max_tokens, pending, guesses[i]))
+        first = True
+        while live:
             started = time.perf_counter()
-            guesses.append(choose(self._forward(request_id, state, guesses[-1:], sample=True), guesses))
-            spent = time.perf_counter() - started
-            self.cost_per_token_s = (spent if self.cost_per_token_s == 0.0 else
-                                     (1 - _COST_SMOOTHING) * self.cost_per_token_s + _COST_SMOOTHING * spent)
+            logits = self._forward([(g.request_id, g.state, g.pending) for g in live], sample=True)
+            for g, row in zip(live, logits):
+                token = g.choose(row[None], g.guesses)
+                g.guesses.append(token)
+                g.pending = [token]
+            if not first:   # one guess more for every row: what a guess costs the step
+                spent = time.perf_counter() - started
+                self.cost_per_token_s = (spent if self.cost_per_token_s == 0.0 else
+                                         (1 - _COST_SMOOTHING) * self.cost_per_token_s + _COST_SMOOTHING * spent)
+            first = False
+            live = [g for g in live if len(g.guesses) < g.max_tokens and g.guesses[-1] < self.target_vocab_size]
         # A token beyond the target's vocabulary (a padded draft row) can never be accepted.
-        valid = next((i for i, token in enumerate(guesses) if token >= self.target_vocab_size), len(guesses))
-        return guesses[:valid]
+        return [row[:next((i for i, token in enumerate(row) if token >= self.target_vocab_size), len(row))]
+                for row in guesses]
 
     def _chooser(self, request_id: str) -> Callable[[torch.Tensor, list[int]], int]:
         """How this request's guesses are picked from the draft's logits (1, V), given the guesses so far."""
@@ -165,12 +190,16 @@ class DraftModelProposer:
             state.blocks.append(self._free.pop())
         return True
 
-    def _forward(self, request_id: str, state: _DraftState, tokens: list[int], sample: bool) -> torch.Tensor:
-        """Compute `tokens` after the draft's context; with `sample`, the logits (1, V) after the last."""
-        row = ScheduledRow(request_id=request_id, token_ids=tokens, start_position=len(state.token_ids),
-                           block_table=state.blocks, is_sampling=sample, is_prefill=len(tokens) > 1)
-        logits = self.runner.execute(StepPlan(rows=(row,)))
-        state.token_ids.extend(tokens)
+    def _forward(self, items: list[tuple[str, _DraftState, list[int]]], sample: bool) -> torch.Tensor:
+        """Compute each request's tokens after its draft context, in one forward; with `sample`, the logits
+        (rows, V) after each row's last token."""
+        plan = StepPlan(rows=tuple(ScheduledRow(request_id=request_id, token_ids=tokens,
+                                                start_position=len(state.token_ids), block_table=list(state.blocks),
+                                                is_sampling=sample, is_prefill=len(tokens) > 1)
+                                   for request_id, state, tokens in items))
+        logits = self.runner.execute(plan)
+        for _, state, tokens in items:
+            state.token_ids.extend(tokens)
         return logits
 
 

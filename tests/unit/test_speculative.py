@@ -201,6 +201,9 @@ class FixedGuess:
     def propose(self, request_id, token_ids, max_tokens):
         return [1, 2, 3, 4][:max_tokens]
 
+    def propose_many(self, asks):
+        return [self.propose(*ask) for ask in asks]
+
     def forget(self, request_id):
         pass
 
