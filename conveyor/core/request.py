@@ -59,6 +59,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     draft_acceptance: float = 0.5        # recent share of draft tokens accepted (moving average)
+    steps_without_drafts: int = 0        # decodes since its last guess was granted
     first_scheduled_s: float | None = None
     wait_cause: str = "budget"           # why the last step passed it over (WAIT_CAUSES)
     queue_s_by_cause: dict[str, float] = field(default_factory=dict)   # time before its first step, by cause

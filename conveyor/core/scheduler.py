@@ -42,6 +42,9 @@ from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.errors import InvalidRequest
 
 
+EXPLORE_EVERY = 64   # decodes refused a guess before one is tried anyway
+
+
 class Scheduler(PromptPhase):
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic, cost_model: StepCostModel | None = None,
@@ -49,6 +52,7 @@ class Scheduler(PromptPhase):
         self.config = config
         self.cost_model = cost_model   # None: steps are sized by max_num_batched_tokens alone
         self.proposer = proposer       # None: no speculative decoding
+        self.draft_acceptance = 0.5    # recent share of guesses accepted, over every request
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.blocks = blocks
         self.max_model_len = max_model_len
@@ -77,6 +81,7 @@ class Scheduler(PromptPhase):
         request.arrival_index = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
+        request.draft_acceptance = self.draft_acceptance   # a new request starts from what guesses earn lately
         self.requests[request.request_id] = request
         self.shares.join(request.tenant)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
@@ -167,6 +172,7 @@ class Scheduler(PromptPhase):
                 request.num_draft_tokens += drafts
                 request.num_accepted_tokens += accepted
                 request.draft_acceptance = 0.75 * request.draft_acceptance + 0.25 * accepted / drafts
+                self.draft_acceptance = 0.9 * self.draft_acceptance + 0.1 * accepted / drafts
             if emitted is None:
                 self.blocks.cache_full_blocks(request)
                 continue
@@ -236,9 +242,14 @@ class Scheduler(PromptPhase):
                     expected_tokens += chance
                 want += 1
             if cap > 0 and want == 0:
-                # Refused for a poor record: trust creeps back, so the request is tried again later.
-                request.draft_acceptance += 0.02 * (1.0 - request.draft_acceptance)
-            elif want:
+                # Refused for a poor record: its trust creeps towards what guesses earn lately, and every
+                # so often one guess is tried anyway, so a draft that starts to agree is found again.
+                request.draft_acceptance += 0.02 * (self.draft_acceptance - request.draft_acceptance)
+                request.steps_without_drafts += 1
+                if request.steps_without_drafts >= EXPLORE_EVERY:
+                    want = 1
+            if want:
+                request.steps_without_drafts = 0
                 wanted.append((i, request, want))
                 budget -= want   # held for its guesses; what the proposer does not guess comes back
         if not wanted:

@@ -11,7 +11,7 @@ from helpers import EOS, FakeClock, audit_blocks, make_request
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import FinishReason
-from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler import EXPLORE_EVERY, Scheduler
 from conveyor.core.speculative import NgramProposer, worth_drafting
 from conveyor.core.step_cost import StepCost, StepCostModel
 
@@ -188,9 +188,25 @@ def test_the_cost_model_turns_drafts_off_near_the_compute_knee() -> None:
     request = speculating("a", max_tokens=20)
     sched.add(request)
     prefill(sched)
+    sched.draft_acceptance = 0.9                      # guesses have been earning more lately
     before = request.draft_acceptance
     assert sched.schedule().rows[0].num_draft_tokens == 0
-    assert request.draft_acceptance > before          # refused: trust creeps back for a later try
+    assert before < request.draft_acceptance < 0.9    # refused: trust creeps towards that, for a later try
+
+
+def test_a_refused_request_still_tries_one_guess_now_and_then() -> None:
+    """With every guess refused by the cost model, one is tried every EXPLORE_EVERY decodes, so a draft
+    that starts to agree is found again; a useless one costs a guess in that many steps."""
+    dear = StepCostModel(prior=StepCost(fixed_s=0.001, per_token_s=0.01, per_context_token_s=0.0))
+    sched, _ = make_scheduler(num_blocks=64, cost_model=dear)
+    sched.add(speculating("a", max_tokens=2 * EXPLORE_EVERY + 8))
+    prefill(sched)
+    granted = []
+    for _ in range(2 * EXPLORE_EVERY):
+        plan = sched.schedule()
+        granted.append(plan.rows[0].num_draft_tokens)
+        sched.update(plan, [[7]])                     # never the guess
+    assert sum(granted) == 2 and granted[EXPLORE_EVERY - 1] == 1 and granted[2 * EXPLORE_EVERY - 1] == 1
 
 
 class FixedGuess:
