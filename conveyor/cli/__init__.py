@@ -97,7 +97,7 @@ def ray_serve_app(args: dict[str, object]) -> Application:
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
-    from conveyor.server.run_batch import run_batch
+    from conveyor.server.batch.run import run_batch
 
     input_path = Path(args.input_file)
     if not input_path.is_file():

@@ -17,7 +17,7 @@ import pydantic
 from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.replicas.routing import ROUTING_BLOCKS, RoutingKey, prefix_key
-from conveyor.server.chat_tools import template_input
+from conveyor.server.parsing.chat_tools import template_input
 from conveyor.server.request_schemas import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)

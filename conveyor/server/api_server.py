@@ -29,7 +29,7 @@ from conveyor.text.tokenizer import Tokenizer
 from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.model.checkpoint import default_model_name, resolve_model_path
 from conveyor.server.app import build_app
-from conveyor.server.header_timeout import header_timeout_protocol
+from conveyor.server.http.header_timeout import header_timeout_protocol
 from conveyor.server.live_view import LiveView
 
 logger = logging.getLogger(__name__)

@@ -24,13 +24,13 @@ from conveyor.config import ServerConfig
 from conveyor.front.async_engine import AsyncEngine, EngineDeadError
 from conveyor.front.core_watchdog import CoreWatchdog
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound
-from conveyor.server.batch_api import BatchRunner, add_batch_routes
-from conveyor.server.batch_store import BatchStore
+from conveyor.server.batch.api import BatchRunner, add_batch_routes
+from conveyor.server.batch.store import BatchStore
 from conveyor.server.live_view import add_dashboard
 from conveyor.server.llamacpp.serving import add_llamacpp_routes
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.openai_serving import OpenAIServing
-from conveyor.server.request_guard import RequestGuard, error_response
+from conveyor.server.http.request_guard import RequestGuard, error_response
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses_api import add_responses_routes
 from conveyor.server.responses import (

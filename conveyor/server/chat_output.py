@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import SamplingParams, ThinkingBudget
-from conveyor.server.reasoning import THINK_END, THINK_START, ReasoningStream, starts_in_reasoning
+from conveyor.server.parsing.reasoning import THINK_END, THINK_START, ReasoningStream, starts_in_reasoning
 from conveyor.server.responses import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
-from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser
-from conveyor.server.tool_syntaxes import CallSyntax
+from conveyor.server.parsing.tool_calls import ToolCall, ToolCallStreamParser
+from conveyor.server.parsing.tool_syntaxes import CallSyntax
 
 if TYPE_CHECKING:
     from conveyor.text.tokenizer import Tokenizer

@@ -24,8 +24,8 @@ from conveyor.errors import ConveyorError
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.logprob_format import LogprobFormatter
-from conveyor.server.off_loop import THREAD_TOKENIZE_CHARS, encode_all, respond_off_loop
-from conveyor.server.request_limits import check_choice_count, check_logprobs_budget, tenant_of
+from conveyor.server.http.off_loop import THREAD_TOKENIZE_CHARS, encode_all, respond_off_loop
+from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import CompletionRequest
 from conveyor.server.responses import CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo
 from conveyor.server.streaming import (

@@ -23,18 +23,18 @@ from conveyor.front.admission import truncate_prompt
 from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.batch_api import is_batch_request
+from conveyor.server.batch.api import is_batch_request
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
 from conveyor.server.grammar_gate import GrammarGate
 from conveyor.server.logprob_format import LogprobFormatter
-from conveyor.server.off_loop import (
+from conveyor.server.http.off_loop import (
     THREAD_TOKENIZE_CHARS,
     encode_large,
     render_off_loop,
     respond_off_loop,
 )
-from conveyor.server.request_limits import check_logprobs_budget, tenant_of
+from conveyor.server.http.request_limits import check_logprobs_budget, tenant_of
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import (
     AssistantMessage,
@@ -46,9 +46,9 @@ from conveyor.server.responses import (
     CompletionTokensDetails,
     UsageInfo,
 )
-from conveyor.server.chat_tools import template_input
-from conveyor.server.tool_calls import ToolCall, parse_tool_calls
-from conveyor.server.tool_syntaxes import resolve_tool_call_parser, syntaxes
+from conveyor.server.parsing.chat_tools import template_input
+from conveyor.server.parsing.tool_calls import ToolCall, parse_tool_calls
+from conveyor.server.parsing.tool_syntaxes import resolve_tool_call_parser, syntaxes
 from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
                                          tool_calls_out)
 from conveyor.server.streaming import (

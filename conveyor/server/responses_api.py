@@ -31,7 +31,7 @@ from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from conveyor.server.request_schemas import ChatCompletionRequest
 from conveyor.server.responses_schemas import ResponsesRequest
 from conveyor.server.streaming import ClientDisconnected, EventStreamResponse, error_payload, sse, until_disconnected
-from conveyor.server.tool_calls import ToolCall
+from conveyor.server.parsing.tool_calls import ToolCall
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 64 * 2**20   # conversations can be long: the store is bounded in size as well as count

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from conveyor.errors import InvalidRequest
 from conveyor.server.chat_schemas import ChatMessage
 from conveyor.server.openai_serving import OpenAIServing
-from conveyor.server.request_limits import bounded_messages
+from conveyor.server.http.request_limits import bounded_messages
 
 _THREAD_DECODE_TOKENS = 16384
 

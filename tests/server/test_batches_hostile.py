@@ -19,7 +19,7 @@ import pytest
 from server_helpers import RunningServer, start_server
 from test_batches_server import lines, results, wait_for_batch
 
-from conveyor.server.batch_store import BatchStore
+from conveyor.server.batch.store import BatchStore
 
 _UNLIMITED_PAGES = 1_073_741_823
 

@@ -14,7 +14,7 @@ from server_helpers import RunningServer
 
 from conveyor.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from conveyor.server.metrics import MAX_TENANT_LABEL_CHARS, tenant_label
-from conveyor.server.request_limits import MAX_CHAT_MESSAGES, MAX_CHOICES_PER_REQUEST, MAX_TENANT_CHARS
+from conveyor.server.http.request_limits import MAX_CHAT_MESSAGES, MAX_CHOICES_PER_REQUEST, MAX_TENANT_CHARS
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

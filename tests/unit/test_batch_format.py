@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conveyor.server.batch_format import parse_lines, split_lines
+from conveyor.server.batch.format import parse_lines, split_lines
 
 
 def line(custom_id: str, prompt: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from conveyor.errors import StorageFull
-from conveyor.server.batch_store import BatchStore
+from conveyor.server.batch.store import BatchStore
 
 LINE = b'{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.server.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
+from conveyor.server.parsing.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
 
 OUTPUTS = [
     # (output, starts inside the thinking, expected reasoning, expected content)
@@ -78,7 +78,7 @@ def test_where_the_output_starts(parser: str, prompt: str, inside: bool) -> None
 
 def test_a_call_written_inside_the_thinking_is_thinking_and_one_after_it_is_a_call() -> None:
     from conveyor.server.chat_output import ChatOutputSplitter
-    from conveyor.server.tool_calls import ToolCallStreamParser
+    from conveyor.server.parsing.tool_calls import ToolCallStreamParser
 
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     text = f"maybe {call}?</think>\n{call}"

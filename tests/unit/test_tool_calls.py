@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conveyor.server.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
+from conveyor.server.parsing.tool_calls import ToolCall, ToolCallStreamParser, parse_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from conveyor.server.tool_calls import ToolCallStreamParser, parse_tool_calls
-from conveyor.server.tool_syntaxes import resolve_tool_call_parser, syntaxes
+from conveyor.server.parsing.tool_calls import ToolCallStreamParser, parse_tool_calls
+from conveyor.server.parsing.tool_syntaxes import resolve_tool_call_parser, syntaxes
 
 NAMES = frozenset({"get_weather", "add"})
 FENCED = 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'

@@ -25,7 +25,7 @@ from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.logprobs import TokenLogprobs
 from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Serving
 from conveyor.server.llamacpp.schemas import LlamaCompletionRequest, LlamaPrompt
-from conveyor.server.request_limits import check_choice_count, check_logprobs_budget
+from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget
 from conveyor.server.streaming import (
     ClientDisconnected,
     EventStreamResponse,

@@ -19,7 +19,7 @@ so whitespace between calls or after the last one produces no content delta.
 
 from __future__ import annotations
 
-from conveyor.server.tool_syntaxes import HERMES, CallSyntax, ToolCall
+from conveyor.server.parsing.tool_syntaxes import HERMES, CallSyntax, ToolCall
 
 __all__ = ["ToolCall", "ToolCallStreamParser", "parse_tool_calls", "partial_len"]
 

@@ -25,7 +25,7 @@ from conveyor.engine.structured_output import json_schema_refusal
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
 from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
-from conveyor.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
+from conveyor.server.http.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 
 DEFAULT_TOOLS_PROMPT = (
     "You may call one or more functions to answer the user. The functions are described in JSON "

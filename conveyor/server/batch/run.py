@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from conveyor.config import EngineConfig, ServerConfig
-from conveyor.server.batch_format import BatchLine, parse_lines, result_line, split_lines
+from conveyor.server.batch.format import BatchLine, parse_lines, result_line, split_lines
 
 logger = logging.getLogger(__name__)
 

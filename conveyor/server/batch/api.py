@@ -24,8 +24,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from conveyor.errors import ConveyorError, InvalidRequest, NotFound
-from conveyor.server.batch_format import BATCH_URLS, BatchLine, result_line
-from conveyor.server.batch_store import BatchStore, PendingLine
+from conveyor.server.batch.format import BATCH_URLS, BatchLine, result_line
+from conveyor.server.batch.store import BatchStore, PendingLine
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 
-from conveyor.server.tool_calls import partial_len
+from conveyor.server.parsing.tool_calls import partial_len
 
 THINK_START = "<think>"
 THINK_END = "</think>"

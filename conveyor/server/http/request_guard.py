@@ -26,8 +26,8 @@ from conveyor.errors import (
     ServerBusy,
     Unauthorized,
 )
-from conveyor.server.batch_api import is_batch_request
-from conveyor.server.json_depth import MAX_JSON_DEPTH, nests_deeper_than
+from conveyor.server.batch.api import is_batch_request
+from conveyor.server.http.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 from conveyor.server.live_view import EVENTS_PATH
 from conveyor.server.responses import ErrorInfo, ErrorResponse
 

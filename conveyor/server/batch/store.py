@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import InvalidRequest, StorageFull
-from conveyor.server.batch_format import BATCH_URLS, parse_lines, result_line, split_lines
+from conveyor.server.batch.format import BATCH_URLS, parse_lines, result_line, split_lines
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
