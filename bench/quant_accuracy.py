@@ -31,9 +31,9 @@ def default_text() -> Path:
     return Path(str(next(f for f in dist.files or [] if f.name == "METADATA").locate()))
 
 
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def prefill_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: ANN001
     num_blocks = -(-len(ids) // BLOCK_SIZE)
-    cache = KVCache(model.arch, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.float32)
+    cache = KVCache(model.arch, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=kv_dtype)
     meta = build_metadata([RowSpec(token_start=0, num_query=len(ids), context_len=len(ids),
                                    block_table=list(range(num_blocks)))],
                           block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"))
