@@ -288,6 +288,7 @@ class ServerConfig:
     max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     max_requests_per_tenant: int | None = None  # in flight (running or waiting) per tenant; past it 429; None = no limit
     state_dir: str | None = None              # where batch jobs and files live (SQLite); None = in memory
+    responses_store: str | None = None        # stored responses (SQLite); None = under state_dir, or in memory
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
     # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.

@@ -49,8 +49,8 @@ from conveyor.server.responses import (
 from conveyor.server.chat_tools import template_input
 from conveyor.server.tool_calls import ToolCall, parse_tool_calls
 from conveyor.server.tool_syntaxes import resolve_tool_call_parser, syntaxes
-from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
-                                         tool_calls_out)
+from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, effort_settings, finish_reason,
+                                         tool_call_deltas, tool_calls_out)
 from conveyor.server.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -98,10 +98,6 @@ class OpenAIServing:
         if len(text) > THREAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(encode_large, self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
-
-    async def _render_chat(self, body: ChatCompletionRequest) -> str:
-        return await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
-                                          body.effective_tool_choice, body.chat_template_kwargs)
 
     async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool,
                               tools: list[ToolDefinition] | None = None, tool_choice: str = "none",
@@ -210,8 +206,11 @@ class OpenAIServing:
         params = body.sampling_params()
         if body.tools:
             await self.grammar_gate.check_tools(body.tools)
-        text = await self._render_chat(body)
-        thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, body.thinking_token_budget)
+        template_kwargs, budget = effort_settings(body.reasoning_effort, self.reasoning_parser,
+                                                  body.chat_template_kwargs, body.thinking_token_budget)
+        text = await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
+                                          body.effective_tool_choice, template_kwargs)
+        thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, budget)
         params = thinking.constrain(params)
         if not await self.compile_grammar(params, body.constraint_field, request):
             return None
