@@ -62,7 +62,7 @@ def float_gguf(model: Path, quantize: Path, work_dir: Path) -> Path:
 
 def _figure(pattern: str, log: str) -> float | None:
     """The figure after the last line that starts with `pattern` (the per-chunk table's header names some too)."""
-    matches = re.findall(r"^" + pattern + r"\s*:?\s*=?\s*([-0-9.]+)", log, flags=re.MULTILINE)
+    matches = re.findall(r"^" + pattern + r"\s*[:=]\s*(-?\d[\d.]*)", log, flags=re.MULTILINE)
     return float(matches[-1]) if matches else None
 
 
