@@ -34,11 +34,11 @@ def parse_bytes(value: str | int, name: str) -> int:
     return size
 
 
-def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+def _positive(name: str, value: int | None, allow_none: bool = False, minimum: int = 1) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -266,10 +266,12 @@ class GrammarLimits:
     timeout_s: float = 10.0              # a compile still running after it is refused (it runs on, unwaited)
     max_concurrent_compiles: int = 2     # the threads compiling for the server; others wait for one
     cache_size: int = 1024               # specs whose verdict (compiles, or why not) is kept
+    json_string_max_tokens: int | None = None   # JSON strings' closing quote forced after; None: 1024; 0: off
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_choices", "max_regex_chars", "max_concurrent_compiles", "cache_size"):
             _positive(name, getattr(self, name))
+        _positive("json_string_max_tokens", self.json_string_max_tokens, allow_none=True, minimum=0)
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 

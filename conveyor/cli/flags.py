@@ -131,12 +131,17 @@ def _add_grammar_flags(parser: argparse.ArgumentParser) -> None:
                        help="seconds a grammar may take to compile before its request is refused")
     group.add_argument("--grammar-compile-threads", type=int, default=limits.max_concurrent_compiles,
                        help="grammars compiled at once; others wait for a thread (within --grammar-timeout)")
+    group.add_argument("--json-string-max-tokens", type=int, default=limits.json_string_max_tokens,
+                       help="a JSON output's string ends after this many tokens: its closing quote is forced "
+                            "where the schema allows one (a larger maxLength in the schema wins); 0 = unbounded "
+                            "(default: 1024)")
 
 
 def grammar_limits(args: argparse.Namespace) -> GrammarLimits:
     return GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
                          max_regex_chars=args.max_regex_chars, timeout_s=args.grammar_timeout,
-                         max_concurrent_compiles=args.grammar_compile_threads)
+                         max_concurrent_compiles=args.grammar_compile_threads,
+                         json_string_max_tokens=args.json_string_max_tokens)
 
 
 def _add_replica_flags(parser: argparse.ArgumentParser) -> None:

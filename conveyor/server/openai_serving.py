@@ -8,6 +8,7 @@ that, an error reaches a streaming client as an error event followed by `[DONE]`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -129,6 +130,10 @@ class OpenAIServing:
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                tenant: str, request: Request) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
+        bound = self.grammar_gate.limits.json_string_max_tokens   # None: the engine's default
+        if params.structured_outputs is not None and bound is not None:
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, max_string_tokens=bound))
         return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
                            is_batch_request(request.scope))
 
