@@ -152,7 +152,8 @@ def conveyor_side(model: Path, float_model: Path, parts: list[list[int]], thread
             totals[key] += value
     elapsed = time.perf_counter() - started
     n = totals["count"]
-    return {"quantization": quantization, "dtype": "float32", "kv_cache_dtype": [str(kv_quant), str(kv_ref)], "ppl_quant": float(np.exp(totals["nll_quant"] / n)),
+    return {"quantization": quantization, "dtype": "float32", "kv_cache_dtype": [str(kv_quant), str(kv_ref)],
+            "ppl_quant": float(np.exp(totals["nll_quant"] / n)),
             "ppl_float": float(np.exp(totals["nll_float"] / n)), "kl_mean": totals["kl"] / n,
             "same_top_pct": 100.0 * totals["same_top"] / n, "scored_tokens": int(n),
             "first_window_nll": first_window_nll}, elapsed
@@ -177,7 +178,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"llama.cpp not found under {args.peers_dir}: {servers.BUILD_HINT}")
     binaries = llama.server.parent
     if not (binaries / "llama-perplexity").is_file():
-        raise SystemExit(f"{binaries}/llama-perplexity missing: cmake --build {binaries.parent} --target llama-perplexity")
+        raise SystemExit(f"{binaries}/llama-perplexity missing: "
+                         f"cmake --build {binaries.parent} --target llama-perplexity")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     float_model = float_gguf(model, binaries / "llama-quantize", args.work_dir)
     text = python_docs_text(args.ctx * args.chunks * 8)
@@ -187,8 +189,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{model.name} vs {float_model.name}; text {text_path} ({len(text)} chars); -c {args.ctx}, "
           f"{args.chunks} chunks, {args.threads} threads", flush=True)
 
-    llama_float, llama_float_s = llama_perplexity(binaries / "llama-perplexity", float_model, text_path, base, args, False)
-    llama_kl, llama_kl_s = llama_perplexity(binaries / "llama-perplexity", model, text_path, base, args, True)
+    perplexity = binaries / "llama-perplexity"
+    llama_float, llama_float_s = llama_perplexity(perplexity, float_model, text_path, base, args, False)
+    llama_kl, llama_kl_s = llama_perplexity(perplexity, model, text_path, base, args, True)
     n_ctx, llama_ids = base_tokens(base)
     base.unlink()   # hundreds of MB of 16-bit log-probs
     tokenizer = tokenizer_from_gguf(model)

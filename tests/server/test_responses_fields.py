@@ -1,11 +1,10 @@
 """The Responses API's `include`, `top_logprobs` and `reasoning` fields through a real server and the official
-openai client: output_text logprobs equal to the chat path's (plain and streamed), reasoning.effort mapped
-onto the template's thinking switch and the thinking budget, what cannot be honoured refused by name; and
-stored responses kept in an SQLite file that two servers share (a follow-up landing on the other one)."""
+openai client: output_text logprobs equal to the chat path's (plain and streamed), the effort mapping (with a
+reasoning parser: test_reasoning_server.py), what cannot be honoured refused by name; and stored responses
+kept in an SQLite file that two servers share (a follow-up landing on the other one)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,7 +12,6 @@ import openai
 import pytest
 from server_helpers import RunningServer, start_server
 from test_errors import assert_error
-from test_reasoning_server import THINK_TEMPLATE
 
 from conveyor.errors import InvalidRequest
 from conveyor.server.chat_output import EFFORT_BUDGETS, effort_settings
@@ -76,36 +74,6 @@ def test_effort_mapping() -> None:
     assert effort_settings("none", None, None, None) == ({"reasoning_effort": "none", "enable_thinking": False}, None)
     with pytest.raises(InvalidRequest):
         effort_settings("medium", None, None, None)
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tiny_checkpoint: Path) -> Iterator[RunningServer]:
-    running = start_server(tiny_checkpoint, max_num_seqs=2, chat_template=THINK_TEMPLATE,
-                           server_options={"reasoning_parser": "qwen3"})
-    yield running
-    running.stop()
-
-
-def test_reasoning_effort_switches_thinking_and_budgets_it(thinking_server: RunningServer) -> None:
-    client = openai.OpenAI(base_url=f"{thinking_server.base_url}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": ASK}]
-    off = client.responses.create(model=thinking_server.model_name, input=ASK, max_output_tokens=8, temperature=0,
-                                  reasoning={"effort": "none"})
-    chat_off = client.chat.completions.create(model=thinking_server.model_name, messages=messages, max_tokens=8,
-                                              temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert [item.type for item in off.output] == ["message"] and off.reasoning.effort == "none"
-    assert off.output_text == chat_off.choices[0].message.content
-    minimal = client.chat.completions.create(model=thinking_server.model_name, messages=messages, max_tokens=8,
-                                             temperature=0, reasoning_effort="minimal")
-    assert minimal.choices[0].message.content == chat_off.choices[0].message.content
-
-    # low is a budget of EFFORT_BUDGETS["low"] thinking tokens: the same reply as asking for that budget.
-    low = client.responses.create(model=thinking_server.model_name, input=ASK, max_output_tokens=8, temperature=0,
-                                  reasoning={"effort": "low"})
-    budget = client.chat.completions.create(model=thinking_server.model_name, messages=messages, max_tokens=8,
-                                            temperature=0, extra_body={"thinking_token_budget": EFFORT_BUDGETS["low"]})
-    assert low.output[0].type == "reasoning"
-    assert low.output[0].content[0].text == budget.choices[0].message.reasoning_content
 
 
 def test_two_servers_share_stored_responses(tiny_checkpoint: Path, tmp_path: Path) -> None:
