@@ -6,9 +6,10 @@
 The float reference is `llama-quantize --allow-requantize FILE F32.gguf F32`: the same weights in float32
 (bit-exact with conveyor's dequantization). llama.cpp's side is `llama-perplexity` twice: on F32.gguf writing
 its log-probs to a base file (`--kl-divergence-base`), then on FILE with `--kl-divergence`. conveyor's side
-computes the same windows with its runtime model (the server's loader, kernels and KV cache dtype, float32
-activations): FILE as served (`--quantization auto`, its own formats) and F32.gguf, full logits of each
-window. Both systems keep the KV cache in float16 for both files (their defaults beside GGUF weights).
+computes the same windows with its runtime model (the server's loader, kernels, attention path and KV cache
+dtype, float32 activations): FILE as served (`--quantization auto`, its own formats) and F32.gguf, full logits
+of each window; the first window's NLL is checked against the engine's own prompt_logprobs. Both systems keep
+the KV cache in float16 for both files (their defaults beside GGUF weights).
 
 Scoring rule, llama-perplexity's: the tokens are cut into --chunks windows of --ctx tokens (no overlap); with
 a BOS-adding vocabulary each window's first token becomes BOS; the second half of each window is scored

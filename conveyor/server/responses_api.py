@@ -36,7 +36,7 @@ from conveyor.server.tool_calls import ToolCall
 
 # Chat field names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "top_logprobs": "top_logprobs", "reasoning_effort": "reasoning.effort"}
+           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 class _Output:
