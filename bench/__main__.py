@@ -1,4 +1,4 @@
-"""python -m bench {run,serve,limits,capacity,interference,head-of-line}: see BENCHMARKS.md.
+"""python -m bench {run,serve,limits,capacity,interference,head-of-line,accuracy}: see BENCHMARKS.md.
 
     python -m bench run                                   # every system, the full default workload
     python -m bench run --systems conveyor,llama-server-f32 --num-requests 8 --output-tokens 32 --concurrency 8
@@ -8,6 +8,7 @@
     python -m bench capacity [--model FILE.gguf --ttft-ms 4000 --tpot-ms 200]   # capacity under a latency SLO
     python -m bench interference [--model FILE.gguf]      # a 4096-token prompt arrives while 8 streams decode
     python -m bench head-of-line [--model FILE.gguf]      # a 16-token request 2 s after a 4000-token prompt
+    python -m bench accuracy [--model FILE.gguf]          # perplexity, KL vs the float model; llama-perplexity too
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import capacity, head_of_line, interference, limits, report, run
+from bench import accuracy, capacity, head_of_line, interference, limits, report, run
 from bench.client import run_serving
 from bench.metrics import samples, summarize
 from bench.workloads import add_workload_arguments, offline_workload
@@ -80,8 +81,12 @@ def main() -> None:
     interference.add_arguments(p_int)
     p_hol = sub.add_parser("head-of-line", help="a short request's TTFT when it arrives behind a long prompt")
     head_of_line.add_arguments(p_hol)
+    p_acc = sub.add_parser("accuracy", help="perplexity and KL divergence against the float model, with llama.cpp's")
+    accuracy.add_arguments(p_acc)
     args = parser.parse_args()
-    if args.command == "head-of-line":
+    if args.command == "accuracy":
+        accuracy.run(args)
+    elif args.command == "head-of-line":
         head_of_line.run(args)
     elif args.command == "capacity":
         capacity.run(args)

@@ -22,6 +22,7 @@ from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_model
 from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.model_runner import kernel_tile_size
 
 BLOCK_SIZE = 16
 
@@ -31,13 +32,16 @@ def default_text() -> Path:
     return Path(str(next(f for f in dist.files or [] if f.name == "METADATA").locate()))
 
 
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def prefill_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: ANN001
+    """Every position's logits of one prompt, computed as the model runner computes a prompt (its attention
+    path: the C kernel where the model runs on the kernels)."""
     num_blocks = -(-len(ids) // BLOCK_SIZE)
-    cache = KVCache(model.arch, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.float32)
+    tile = kernel_tile_size(model, BLOCK_SIZE, torch.device("cpu"))
+    cache = KVCache(model.arch, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=kv_dtype, transposed_keys=tile > 0)
     meta = build_metadata([RowSpec(token_start=0, num_query=len(ids), context_len=len(ids),
                                    block_table=list(range(num_blocks)))],
-                          block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"))
-    with torch.no_grad():
+                          block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"), kernel_tile_size=tile)
+    with torch.inference_mode():
         return model(torch.tensor(ids), torch.arange(len(ids)), meta, cache.layers, torch.arange(len(ids)))
 
 

@@ -253,10 +253,12 @@ class GrammarLimits:
     timeout_s: float = 10.0              # a compile still running after it is refused (it runs on, unwaited)
     max_concurrent_compiles: int = 2     # the threads compiling for the server; others wait for one
     cache_size: int = 1024               # specs whose verdict (compiles, or why not) is kept
+    json_string_max_tokens: int | None = None   # JSON strings' closing quote forced after; None: 1024; 0: off
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_choices", "max_regex_chars", "max_concurrent_compiles", "cache_size"):
             _positive(name, getattr(self, name))
+        _positive("json_string_max_tokens", self.json_string_max_tokens, allow_none=True, minimum=0)
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
@@ -275,6 +277,7 @@ class ServerConfig:
     max_waiting_requests: int | None = None   # beyond the free batch slots; past it 429; 0 = no queue; None = unbounded
     max_requests_per_tenant: int | None = None  # in flight (running or waiting) per tenant; past it 429; None = no limit
     state_dir: str | None = None              # where batch jobs and files live (SQLite); None = in memory
+    responses_store: str | None = None        # stored responses (SQLite); None = under state_dir, or in memory
     shutdown_grace_s: float = 30.0            # after SIGTERM, before in-flight requests fail
     max_body_bytes: int = 8 * 1024 * 1024
     # Longest prompt text (characters, all prompts or messages of a request) tokenized; past it 413.

@@ -25,8 +25,8 @@ def parse_bytes(value: str | int, name: str) -> int:
     return size
 
 
-def positive(name: str, value: int | None, allow_none: bool = False) -> None:
+def positive(name: str, value: int | None, allow_none: bool = False, minimum: int = 1) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

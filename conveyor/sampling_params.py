@@ -14,6 +14,7 @@ from typing import Any
 from conveyor.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+DEFAULT_MAX_STRING_TOKENS = 1024   # a JSON string's tokens before its closing quote is forced
 # Sane ranges, checked here only; the HTTP schema (server/request_schemas.py) declares them for its document.
 MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
@@ -48,12 +49,18 @@ class StructuredOutputsParams:
     # A reasoning model's thinking comes first, unconstrained: "open" when the output begins inside it
     # (any text up to </think>), "optional" when it may begin with a <think>...</think> block.
     after_thinking: str | None = None
+    # JSON strings end after this many tokens: the closing quote is forced where the grammar allows it
+    # (engine/json_strings.py; a schema's larger maxLength raises it). 0 = unbounded. Not part of the grammar.
+    max_string_tokens: int = DEFAULT_MAX_STRING_TOKENS
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        if not _is_int(self.max_string_tokens, minimum=0):
+            raise InvalidRequest(f"max_string_tokens must be an integer >= 0, got {self.max_string_tokens!r}",
+                                 param="structured_outputs")
         if self.after_thinking not in (None, "open", "optional"):
             raise InvalidRequest(f"after_thinking must be open or optional, got {self.after_thinking!r}",
                                  param="structured_outputs")

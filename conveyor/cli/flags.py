@@ -140,12 +140,17 @@ def _add_grammar_flags(parser: argparse.ArgumentParser) -> None:
                        help="seconds a grammar may take to compile before its request is refused")
     group.add_argument("--grammar-compile-threads", type=int, default=limits.max_concurrent_compiles,
                        help="grammars compiled at once; others wait for a thread (within --grammar-timeout)")
+    group.add_argument("--json-string-max-tokens", type=int, default=limits.json_string_max_tokens,
+                       help="a JSON output's string ends after this many tokens: its closing quote is forced "
+                            "where the schema allows one (a larger maxLength in the schema wins); 0 = unbounded "
+                            "(default: 1024)")
 
 
 def grammar_limits(args: argparse.Namespace) -> GrammarLimits:
     return GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
                          max_regex_chars=args.max_regex_chars, timeout_s=args.grammar_timeout,
-                         max_concurrent_compiles=args.grammar_compile_threads)
+                         max_concurrent_compiles=args.grammar_compile_threads,
+                         json_string_max_tokens=args.json_string_max_tokens)
 
 
 def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
@@ -301,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", default=None,
                        help="directory of the SQLite database that keeps batch jobs and files across restarts "
                             "(default: in memory, lost at exit)")
+    serve.add_argument("--responses-store", default=None, metavar="PATH",
+                       help="SQLite file of the Responses API's stored responses (store, previous_response_id), "
+                            "shared by every server given the same path, e.g. replicas on one host (default: "
+                            "responses.sqlite3 under --state-dir, else in memory)")
     serve.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longest prompt text, in characters, the server tokenizes; longer ones get a 413 before "
                             "tokenizing (default: max model length times the longest token, which no prompt that "
@@ -378,7 +387,8 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig,
                           enable_docs=args.enable_docs,
                           stats_log_interval_s=ServerConfig.stats_log_interval_s if args.log_stats else 0.0,
                           core_process=args.core_process, max_requests_per_tenant=args.max_requests_per_tenant,
-                          state_dir=args.state_dir, enable_dashboard=args.enable_dashboard,
+                          state_dir=args.state_dir, responses_store=args.responses_store,
+                          enable_dashboard=args.enable_dashboard,
                           grammar=grammar_limits(args), reasoning_parser=args.reasoning_parser,
                           tool_call_parser=args.tool_call_parser)
     replica_flags = (args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,

@@ -4,8 +4,8 @@ An integer without a minimum or maximum lets a model that keeps writing digits r
 and leave invalid JSON. It is bounded here to JSON's safe range (what JavaScript and most parsers hold
 exactly: at most 16 digits), which costs milliseconds of compiling. Bounds the schema gives are kept.
 Strings keep the schema's own maxLength only: with xgrammar 0.2.8 a default maxLength costs 1-2 s of
-compiling per string property of every new schema (measured on the bundled model's vocabulary), more
-than a runaway string costs. The client's schema is not changed: a bounded copy is compiled.
+compiling per string property of every new schema (measured on the bundled model's vocabulary); the
+sampler bounds them instead (json_strings.py). The client's schema is not changed: a bounded copy is compiled.
 """
 
 from __future__ import annotations

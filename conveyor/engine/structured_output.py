@@ -8,7 +8,8 @@ outside the scheduler while the batch runs on. Each step, the core fills one pac
 logits position of a constrained row (a row with draft tokens gets one per position, the matcher
 walked through the drafts and rolled back), and the sampler applies them all in one operation.
 
-xgrammar is an optional dependency (`pip install 'conveyor[structured]'`), imported on first use.
+xgrammar is an optional dependency (`make install` installs it without triton, which its CPU path never
+imports; see pyproject's structured-cpu extra), imported on first use.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine.json_strings import StringBounds, string_bound
 from conveyor.engine.schema_bounds import bounded_schema_text
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
@@ -46,7 +48,8 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError:
         raise InvalidRequest("structured outputs need xgrammar, which is not installed on this server "
-                             "(pip install 'conveyor[structured]')", param="structured_outputs") from None
+                             "(make install, or pip install 'conveyor[structured-cpu]' and then pip install "
+                             "--no-deps xgrammar==0.2.8)", param="structured_outputs") from None
     return xgrammar
 
 
@@ -58,6 +61,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size                # the model's logits width, may exceed the tokenizer's
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._info: Any = None
 
     def use_tokenizer(self, make_tokenizer: Callable[[], Tokenizer]) -> None:
         """Build from `make_tokenizer` instead, unless already built: a tokenizer already loaded beats
@@ -84,7 +88,13 @@ class GrammarCompiler:
                     PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend), vocab_size=self.vocab_size,
                     stop_token_ids=sorted(tokenizer.eos_token_ids))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
+                self._info = info
             return self._compiler
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes, as the grammar engine reads them."""
+        self._get()
+        return list(self._info.decoded_vocab)
 
     def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> Any:
         """The CompiledGrammar of `spec`; InvalidRequest (naming `param`) when it does not compile."""
@@ -196,8 +206,12 @@ class StructuredOutputs:
         self._executor: ThreadPoolExecutor | None = None
         self._compiling: dict[str, Future[Any]] = {}
         self._matchers: dict[str, Any] = {}
+        self.strings = StringBounds(compiler.vocab_size, compiler.token_bytes)
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        bound = string_bound(spec)
+        if bound is not None:
+            self.strings.add(request_id, bound)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-grammar")
         self._compiling[request_id] = self._executor.submit(self.compiler.compile, spec)
@@ -230,6 +244,7 @@ class StructuredOutputs:
         if future is not None:
             future.cancel()
         self._matchers.pop(request_id, None)
+        self.strings.drop(request_id)
 
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -250,6 +265,7 @@ class StructuredOutputs:
         for request_id, drafts in rows:
             if drafts:
                 out[request_id] = self.masks(request_id, drafts)
+            self.strings.narrow(request_id, out[request_id])   # a draft row: its first position only
         return out
 
     def masks(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor:
@@ -280,7 +296,9 @@ class StructuredOutputs:
             return len(token_ids)
         for i, token_id in enumerate(token_ids):
             if not (matcher.is_terminated() or matcher.accept_token(token_id)):
+                self.strings.accept(request_id, token_ids[:i])
                 return i
+        self.strings.accept(request_id, token_ids)
         return len(token_ids)
 
     def is_dead_end(self, request_id: str) -> bool:

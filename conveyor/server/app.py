@@ -32,7 +32,8 @@ from conveyor.server.metrics import ServerMetrics
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.http.request_guard import RequestGuard, error_response
 from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
-from conveyor.server.responses_api import add_responses_routes
+from conveyor.server.openai_responses.store import ResponseStore
+from conveyor.server.openai_responses.api import add_responses_routes
 from conveyor.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -152,7 +153,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, server: ServerConfig) 
         return error_response(ConveyorError(f"internal server error: {type(exc).__name__}"))
 
     add_batch_routes(app, batch_store)
-    add_responses_routes(app, serving)
+    responses_path = server.responses_store or (server.state_dir and str(Path(server.state_dir) / "responses.sqlite3"))
+    add_responses_routes(app, serving, ResponseStore(Path(responses_path) if responses_path else None))
     add_llamacpp_routes(app, serving, async_engine.info.scheduler.max_num_seqs)
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import SamplingParams, ThinkingBudget
@@ -61,6 +61,28 @@ class ChatOutputSplitter:
             if self.forces_tool_calls:   # the grammar admits only calls: other text is a call cut short
                 content = ""
         return thinking, content, calls
+
+
+# reasoning_effort (chat) and reasoning.effort (Responses) as a budget of thinking tokens, as vLLM maps an
+# effort onto its thinking budget: none and minimal turn thinking off (the template's enable_thinking false;
+# a model that opens <think> anyway is cut at once), low and medium cap it, high leaves it to the model.
+EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 0, "low": 1024, "medium": 8192, "high": None}
+
+
+def effort_settings(effort: str | None, parser: str | None, template_kwargs: dict[str, Any] | None,
+                    budget: int | None) -> tuple[dict[str, Any] | None, int | None]:
+    """(chat template variables, thinking budget) of a request with this effort; what the request sets
+    itself (chat_template_kwargs, thinking_token_budget) wins. The template also sees reasoning_effort."""
+    if effort is None:
+        return template_kwargs, budget
+    effort_budget = EFFORT_BUDGETS[effort]
+    if parser is None and effort_budget != 0:
+        raise InvalidRequest(f"reasoning effort {effort!r} needs a server started with --reasoning-parser (this "
+                             "one does not tell thinking from the answer); none and minimal are accepted",
+                             param="reasoning_effort")
+    off = {"enable_thinking": False} if effort_budget == 0 else {}
+    kwargs = {"reasoning_effort": effort, **off, **(template_kwargs or {})}
+    return kwargs, budget if budget is not None or parser is None else effort_budget
 
 
 @dataclass(frozen=True, slots=True)

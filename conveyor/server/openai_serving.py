@@ -8,6 +8,7 @@ that, an error reaches a streaming client as an error event followed by `[DONE]`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -49,8 +50,8 @@ from conveyor.server.responses import (
 from conveyor.server.parsing.chat_tools import template_input
 from conveyor.server.parsing.tool_calls import ToolCall, parse_tool_calls
 from conveyor.server.parsing.tool_syntaxes import resolve_tool_call_parser, syntaxes
-from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, finish_reason, tool_call_deltas,
-                                         tool_calls_out)
+from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, effort_settings, finish_reason,
+                                         tool_call_deltas, tool_calls_out)
 from conveyor.server.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -99,10 +100,6 @@ class OpenAIServing:
             return await asyncio.to_thread(encode_large, self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def _render_chat(self, body: ChatCompletionRequest) -> str:
-        return await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
-                                          body.effective_tool_choice, body.chat_template_kwargs)
-
     async def render_messages(self, chat_messages: list[ChatMessage], add_generation_prompt: bool,
                               tools: list[ToolDefinition] | None = None, tool_choice: str = "none",
                               template_kwargs: dict[str, Any] | None = None) -> str:
@@ -133,6 +130,10 @@ class OpenAIServing:
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                tenant: str, request: Request) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
+        bound = self.grammar_gate.limits.json_string_max_tokens   # None: the engine's default
+        if params.structured_outputs is not None and bound is not None:
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, max_string_tokens=bound))
         return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
                            is_batch_request(request.scope))
 
@@ -210,8 +211,11 @@ class OpenAIServing:
         params = body.sampling_params()
         if body.tools:
             await self.grammar_gate.check_tools(body.tools)
-        text = await self._render_chat(body)
-        thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, body.thinking_token_budget)
+        template_kwargs, budget = effort_settings(body.reasoning_effort, self.reasoning_parser,
+                                                  body.chat_template_kwargs, body.thinking_token_budget)
+        text = await self.render_messages(body.messages, body.add_generation_prompt, body.tools,
+                                          body.effective_tool_choice, template_kwargs)
+        thinking = Thinking.of(self.reasoning_parser, text, self.tokenizer, budget)
         params = thinking.constrain(params)
         if not await self.compile_grammar(params, body.constraint_field, request):
             return None

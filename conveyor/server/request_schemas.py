@@ -66,6 +66,9 @@ class CompletionRequest(SamplingRequest):
         return self.max_tokens == 0 and self.echo
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, ints(minimum=1)] | None = Field(None, description="default: up to the model length")
@@ -82,6 +85,9 @@ class ChatCompletionRequest(SamplingRequest):
         None, description="further variables for the chat template, such as enable_thinking")
     thinking_token_budget: Annotated[int, ints(minimum=0)] | None = Field(
         None, description="with --reasoning-parser: at most this many tokens of thinking, then </think> is forced")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="none/minimal: no thinking; low, medium: a thinking budget; high: the model's own "
+                          "(see EFFORT_BUDGETS)")
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -39,7 +39,6 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[object, ...]]] = {
                    ()),
     "store": ("stored completions are not supported", (False,)),
     "metadata": ("metadata is only kept with stored completions, which are not supported", ()),
-    "reasoning_effort": ("this model does not reason before answering", ()),
     "verbosity": ("this model has no verbosity setting", ()),
     "web_search_options": ("web search is not supported", ()),
     "functions": ("the deprecated functions field is not supported: send tools instead", ()),

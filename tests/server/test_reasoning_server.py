@@ -3,7 +3,7 @@ DeepSeek-R1's and Qwen3's thinking templates do), --reasoning-parser splitting r
 the answer (non-streamed and streamed alike), thinking_token_budget forcing </think> after N tokens,
 reasoning tokens in usage, JSON schema and tool calls read after the thinking only,
 chat_template_kwargs reaching the template (enable_thinking false renders a closed think block: no
-reasoning), and the Responses API's reasoning items."""
+reasoning), reasoning_effort / reasoning.effort mapped onto both, and the Responses API's reasoning items."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 from server_helpers import RunningServer, start_server
 from test_errors import assert_error
 
+from conveyor.server.chat_output import EFFORT_BUDGETS
+
 THINK_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\ntools:' }}{% for tool in tools %}{{ ' ' + tool.function.name }}"
     "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
@@ -27,7 +29,8 @@ THINK_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
     "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}"
 )
-ASK = [{"role": "user", "content": "What is the capital of France?"}]
+ASK_TEXT = "What is the capital of France?"
+ASK = [{"role": "user", "content": ASK_TEXT}]
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +176,26 @@ def test_budgets_batched_give_what_each_gives_alone(client: openai.OpenAI, serve
     alone = [ask(budget) for budget in budgets]
     with ThreadPoolExecutor(len(budgets)) as pool:
         assert list(pool.map(ask, budgets)) == alone
+
+
+def test_reasoning_effort_switches_thinking_and_budgets_it(client: openai.OpenAI, server: RunningServer) -> None:
+    """none/minimal: the template's enable_thinking false; low: a budget of EFFORT_BUDGETS['low'] thinking tokens."""
+    off = client.responses.create(model=server.model_name, input=ASK_TEXT, max_output_tokens=8, temperature=0,
+                                  reasoning={"effort": "none"})
+    chat_off = client.chat.completions.create(model=server.model_name, messages=ASK, max_tokens=8,
+                                              temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [item.type for item in off.output] == ["message"] and off.reasoning.effort == "none"
+    assert off.output_text == chat_off.choices[0].message.content
+    minimal = client.chat.completions.create(model=server.model_name, messages=ASK, max_tokens=8,
+                                             temperature=0, reasoning_effort="minimal")
+    assert minimal.choices[0].message.content == chat_off.choices[0].message.content
+
+    # low is a budget of EFFORT_BUDGETS["low"] thinking tokens: the same reply as asking for that budget.
+    low = client.responses.create(model=server.model_name, input=ASK_TEXT, max_output_tokens=8, temperature=0,
+                                  reasoning={"effort": "low"})
+    budget = client.chat.completions.create(model=server.model_name, messages=ASK, max_tokens=8,
+                                            temperature=0,
+                                            extra_body={"thinking_token_budget": EFFORT_BUDGETS["low"]})
+    assert low.output[0].type == "reasoning"
+    assert low.output[0].content[0].text == budget.choices[0].message.reasoning_content

@@ -32,3 +32,33 @@ def test_make_install_shows_pip_progress() -> None:
     assert recipes
     for recipe in recipes:
         assert not re.search(r"\s(-q|--quiet)\b", recipe), recipe
+
+
+def _extras() -> dict[str, list[str]]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {"": project["dependencies"], **project["optional-dependencies"]}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_make_install_takes_xgrammar_without_its_gpu_compiler() -> None:
+    """`make install` puts xgrammar in with --no-deps at structured's pin; structured-cpu holds the rest of
+    what it requires, all but triton (the 1 GB GPU compiler its CPU path never imports)."""
+    extras = _extras()
+    makefile = (ROOT / "Makefile").read_text()
+    [pin] = extras["structured"]
+    assert f"XGRAMMAR := {pin}" in makefile and "--no-deps $(XGRAMMAR)" in makefile
+    assert "structured-cpu" in makefile and "'.[server,structured]'" not in makefile
+    assert not any(_name(r) in ("xgrammar", "triton") for r in extras["structured-cpu"] + extras["test"])
+    metadata = pytest.importorskip("importlib.metadata")
+    try:
+        required = metadata.requires("xgrammar") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("xgrammar is not installed here")
+    needed = {_name(r) for r in required if "extra ==" not in r} - {"triton"}
+    provided = {_name(r) for r in extras[""] + extras["server"] + extras["structured-cpu"]}
+    assert needed <= provided, needed - provided

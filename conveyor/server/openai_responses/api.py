@@ -8,16 +8,16 @@ events: response.created and .in_progress, then per item output_item.added, its 
 (reasoning_text.delta, content_part.added / output_text.delta / .done / content_part.done,
 function_call_arguments.delta / .done) and output_item.done, then response.completed.
 
-Responses are kept in memory (the last 1024, at most 64 MiB, unless `store` is false) so that
-`previous_response_id` continues a conversation: the stored conversation, its output as assistant
-turns, then the new input. GET and DELETE /v1/responses/{id} read and drop them.
+Responses are kept (response_store.py, unless `store` is false) so that `previous_response_id` continues a
+conversation: the stored conversation, its output as assistant turns, then the new input. GET and DELETE
+/v1/responses/{id} read and drop them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,60 +25,26 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from conveyor.errors import ConveyorError, InvalidRequest, NotFound
+from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.server.chat_output import ChatRun
 from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from conveyor.server.request_schemas import ChatCompletionRequest
-from conveyor.server.responses_schemas import ResponsesRequest
+from conveyor.server.openai_responses.store import ResponseStore
+from conveyor.server.openai_responses.schemas import ResponsesRequest
 from conveyor.server.streaming import ClientDisconnected, EventStreamResponse, error_payload, sse, until_disconnected
 from conveyor.server.parsing.tool_calls import ToolCall
 
-MAX_STORED_RESPONSES = 1024
-MAX_STORED_BYTES = 64 * 2**20   # conversations can be long: the store is bounded in size as well as count
 # Chat field names in errors -> the Responses request's own.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format"}
-
-
-class ResponseStore:
-    """The last `max_stored` responses and the conversations that led to them, at most `max_bytes` of them
-    (as JSON), least recent dropped first."""
-
-    def __init__(self, max_stored: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES) -> None:
-        self.max_stored, self.max_bytes = max_stored, max_bytes
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
-        self._sizes: dict[str, int] = {}
-        self._num_bytes = 0
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        self._items[response["id"]] = (response, conversation)
-        self._sizes[response["id"]] = size
-        self._num_bytes += size
-        while len(self._items) > self.max_stored or (self._num_bytes > self.max_bytes and len(self._items) > 1):
-            self._drop(next(iter(self._items)))
-
-    def _drop(self, response_id: str) -> None:
-        del self._items[response_id]
-        self._num_bytes -= self._sizes.pop(response_id)
-
-    def get(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        found = self._items.get(response_id)
-        if found is None:
-            raise NotFound(f"no stored response {response_id!r} (this server keeps the last {self.max_stored} "
-                                f"in memory)", param=param)
-        self._items.move_to_end(response_id)
-        return found
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        self._drop(response_id)
+           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 class _Output:
     """The output items of one response as they form, and the stream events that announce them."""
 
-    def __init__(self, response_id: str) -> None:
+    def __init__(self, response_id: str, with_logprobs: bool = False) -> None:
+        self.with_logprobs = with_logprobs   # include: message.output_text.logprobs
+        self._held: list[dict[str, Any]] = []   # logprobs of tokens whose text is not out yet (a split character)
         self.items: list[dict[str, Any]] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
         self._open: dict[str, Any] | None = None
@@ -103,7 +69,7 @@ class _Output:
         else:
             part = item["content"][0]
             self.events.append(("response.output_text.done", {**where, "content_index": 0, "text": part["text"],
-                                                              "logprobs": []}))
+                                                              "logprobs": part.get("logprobs", [])}))
             self.events.append(("response.content_part.done", {**where, "content_index": 0, "part": part}))
         item["status"] = "completed"
         self.events.append(("response.output_item.done", {"output_index": where["output_index"], "item": item}))
@@ -117,26 +83,38 @@ class _Output:
                     "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
             self._add(item)
         else:
+            part = {"type": "output_text", "text": "", "annotations": [],
+                    **({"logprobs": []} if self.with_logprobs else {})}
             item = {"type": "message", "id": self._item_id("msg"), "role": "assistant", "status": "in_progress",
-                    "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                    "content": [part]}
             self._add({**item, "content": []})
             self.events.append(("response.content_part.added", {
-                "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": []}}))
+                "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "part": dict(part)}))
             self.items[-1] = item
         self._open = item
         return item
 
-    def feed(self, reasoning: str, text: str, calls: list[ToolCall]) -> None:
+    def feed(self, reasoning: str, text: str, calls: list[ToolCall], logprobs: list[dict[str, Any]]) -> None:
+        """One delta: its thinking, answer text and finished calls; `logprobs` are its tokens' (with_logprobs),
+        given to the answer text when the delta has some, held while a delta shows no text yet, and dropped with
+        thinking or a call (those tokens wrote no answer text)."""
+        self._held += logprobs
+        if not text and (reasoning or calls):
+            self._held = []
+        logprobs, self._held = (self._held, []) if text else ([], self._held)
         for kind, delta in (("reasoning", reasoning), ("message", text)):
             if not delta:
                 continue
             item = self._text_item(kind)
-            item["content"][0]["text"] += delta
+            part = item["content"][0]
+            part["text"] += delta
             event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            if kind == "message" and self.with_logprobs:
+                part["logprobs"].extend(logprobs)
             self.events.append((event, {"item_id": item["id"], "output_index": self.items.index(item),
                                         "content_index": 0, "delta": delta,
-                                        **({"logprobs": []} if kind == "message" else {})}))
+                                        **({"logprobs": logprobs if self.with_logprobs else []}
+                                           if kind == "message" else {})}))
         for call in calls:
             self._close()
             item = {"type": "function_call", "id": self._item_id("fc"), "call_id": call.id, "name": call.name,
@@ -150,6 +128,8 @@ class _Output:
             self.events.append(("response.output_item.done", {"output_index": where["output_index"], "item": item}))
 
     def finish(self) -> None:
+        if self._held and self._open is not None and self._open["type"] == "message":
+            self._open["content"][0]["logprobs"].extend(self._held)   # tokens whose text never came out
         self._close()
 
 
@@ -161,7 +141,7 @@ class ResponsesServing:
         body.check_fields()
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            history = self.store.get(body.previous_response_id, "previous_response_id")[1]
+            history = (await asyncio.to_thread(self.store.get, body.previous_response_id, "previous_response_id"))[1]
         conversation = history + body.input_messages()
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
@@ -175,7 +155,7 @@ class ResponsesServing:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         response_id = "resp_" + run.group.group_id.removeprefix("resp-")
         base = self._base(response_id, body)
-        output = _Output(response_id)
+        output = _Output(response_id, body.wants_logprobs)
         if body.stream:
             return EventStreamResponse(self._events(run, base, output, conversation, body), run.group)
         try:
@@ -184,14 +164,21 @@ class ResponsesServing:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             run.group.close()
-        return JSONResponse(self._complete(base, output, finish, num_tokens, run, conversation, body))
+        return JSONResponse(await self._complete(base, output, finish, num_tokens, run, conversation, body))
+
+    def _feed(self, output: _Output, run: ChatRun, delta: Any) -> None:
+        logprobs = []
+        if output.with_logprobs and delta.new_logprobs:
+            formatted = self.serving.logprobs.chat_logprobs(delta.new_logprobs).content or []
+            logprobs = [entry.model_dump() for entry in formatted]
+        output.feed(*run.splitters[0].feed(delta.new_text, len(delta.new_token_ids), delta.finished), logprobs)
 
     async def _run(self, run: ChatRun, output: _Output, request: Request) -> tuple[str | None, int]:
         async def collect() -> tuple[str | None, int]:
             finish, num_tokens = None, 0
             async for _, delta in run.group.outputs():
                 num_tokens += len(delta.new_token_ids)
-                output.feed(*run.splitters[0].feed(delta.new_text, len(delta.new_token_ids), delta.finished))
+                self._feed(output, run, delta)
                 output.events.clear()   # only a stream sends them
                 if delta.finished:
                     finish = delta.finish_reason
@@ -215,7 +202,7 @@ class ResponsesServing:
         try:
             async for _, delta in run.group.outputs():
                 num_tokens += len(delta.new_token_ids)
-                output.feed(*run.splitters[0].feed(delta.new_text, len(delta.new_token_ids), delta.finished))
+                self._feed(output, run, delta)
                 if delta.finished:
                     finish = delta.finish_reason
                     output.finish()
@@ -228,8 +215,8 @@ class ResponsesServing:
             return
         # response.completed also when max_output_tokens cut it short (its status says incomplete), as vLLM
         # sends it: the openai client's stream helper waits for that event alone.
-        yield event("response.completed", {"response": self._complete(base, output, finish, num_tokens, run,
-                                                                      conversation, body)})
+        completed = await self._complete(base, output, finish, num_tokens, run, conversation, body)
+        yield event("response.completed", {"response": completed})
 
     def _base(self, response_id: str, body: ResponsesRequest) -> dict[str, Any]:
         return {
@@ -237,7 +224,8 @@ class ResponsesServing:
             "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": self.serving.model_name, "output": [],
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            "store": body.store, "top_logprobs": body.top_logprobs, "include": body.include or [],
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p, "text": body.text_echo(),
             "tool_choice": (body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
@@ -246,8 +234,8 @@ class ResponsesServing:
             "truncation": "disabled", "user": body.user, "metadata": body.metadata or {}, "usage": None,
         }
 
-    def _complete(self, base: dict[str, Any], output: _Output, finish: str | None, num_tokens: int, run: ChatRun,
-                  conversation: list[dict[str, Any]], body: ResponsesRequest) -> dict[str, Any]:
+    async def _complete(self, base: dict[str, Any], output: _Output, finish: str | None, num_tokens: int,
+                        run: ChatRun, conversation: list[dict[str, Any]], body: ResponsesRequest) -> dict[str, Any]:
         num_prompt = len(run.prompts[0])
         cut_short = finish == "length"
         response = {**base, "status": "incomplete" if cut_short else "completed", "output": output.items,
@@ -257,7 +245,7 @@ class ResponsesServing:
                               "output_tokens_details": {"reasoning_tokens": run.num_reasoning_tokens or 0},
                               "total_tokens": num_prompt + num_tokens}}
         if body.store:
-            self.store.put(response, conversation + _as_messages(output.items))
+            await asyncio.to_thread(self.store.put, response, conversation + _as_messages(output.items))
         return response
 
 
@@ -287,10 +275,10 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, store: ResponseSt
 
     @app.get("/v1/responses/{response_id}", tags=["openai"])
     async def get_response(response_id: str) -> Any:
-        return responses.store.get(response_id)[0]
+        return (await asyncio.to_thread(responses.store.get, response_id))[0]
 
     @app.delete("/v1/responses/{response_id}", tags=["openai"])
     async def delete_response(response_id: str) -> Any:
-        responses.store.delete(response_id)
+        await asyncio.to_thread(responses.store.delete, response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

@@ -5,7 +5,9 @@ input_text / output_text parts), `function_call` items (an earlier turn's calls)
 `function_call_output` items (their results); `reasoning` items, an earlier turn's thinking, are
 not shown to the model, as chat templates drop past thinking. `instructions` become the system
 message of this request only (a later request that continues from it does not inherit them, as
-OpenAI's do not). Sampling fields and tools are those of chat completions under their Responses names.
+OpenAI's do not). Sampling fields and tools are those of chat completions under their Responses names;
+`include: ["message.output_text.logprobs"]` and `top_logprobs` are chat's logprobs, `reasoning.effort` chat's
+reasoning_effort (chat_output.EFFORT_BUDGETS). Other `include` values and `reasoning.summary` are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conveyor.errors import InvalidRequest
+from conveyor.sampling_params import MAX_LOGPROBS
 from conveyor.server.chat_schemas import (
     REQUEST_CONFIG,
     FunctionDefinition,
@@ -22,17 +25,15 @@ from conveyor.server.chat_schemas import (
     Text,
     refuse_extra_fields,
 )
+from conveyor.server.request_schemas import ReasoningEffort
 
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 _ITEM_CONFIG = ConfigDict(extra="ignore", strict=True)   # items echo back fields (status, annotations) we need not read
 # Responses fields that have no effect here, and the values that change nothing.
 _UNSUPPORTED = {
     "background": ("background responses are not supported", (False,)),
-    "include": ("no extra output (logprobs, encrypted reasoning) is available to include", ([],)),
     "truncation": ("only truncation 'disabled' is supported: a conversation past the context is a 400",
                    ("disabled",)),
-    "reasoning": ("the reasoning effort is the model's own; send chat_template_kwargs to a chat completion to "
-                  "switch a template's thinking", ({}, {"effort": None}, {"effort": None, "summary": None})),
     "service_tier": ("there is one service tier: send auto or default", ("auto", "default")),
     "prompt": ("stored prompt templates are not supported", ()),
 }
@@ -68,6 +69,19 @@ class _FunctionCallOutput(BaseModel):
     type: Literal["function_call_output"]
     call_id: Text
     output: Text | list[_Part]
+
+
+# `include` values: logprobs of the output text are; the others name outputs conveyor never makes
+# (encrypted reasoning for stateless clients, hosted tools' results, input images).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+class ReasoningConfig(BaseModel):
+    model_config = REQUEST_CONFIG
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None   # summary's old name
 
 
 _ITEMS: dict[str, type[BaseModel]] = {"message": _Message, "function_call": _FunctionCall,
@@ -119,9 +133,26 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     user: Text | None = None
     prompt_cache_key: Text | None = None   # as chat's: prefix caching is automatic, by content
+    include: list[Text] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    reasoning: ReasoningConfig | None = None
 
     def check_fields(self) -> None:
         refuse_extra_fields(self.model_extra, _UNSUPPORTED)
+        for index, name in enumerate(self.include or []):
+            if name != INCLUDE_LOGPROBS:
+                raise InvalidRequest(f"include: {name!r} is not available here (only {INCLUDE_LOGPROBS!r} is: "
+                                     "conveyor runs no hosted tools, reads no images and keeps no encrypted "
+                                     "reasoning)", param=f"include.{index}")
+        summary = self.reasoning and (self.reasoning.summary or self.reasoning.generate_summary)
+        if summary:
+            raise InvalidRequest(f"reasoning.summary: reasoning summaries are not written (asked for {summary!r}); "
+                                 "the reasoning item carries the whole thinking as reasoning_text, with a server "
+                                 "started with --reasoning-parser", param="reasoning.summary")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return INCLUDE_LOGPROBS in (self.include or []) or self.top_logprobs is not None
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (dicts of ChatMessage's fields)."""
@@ -154,6 +185,10 @@ class ResponsesRequest(BaseModel):
             fields["temperature"] = self.temperature
         if self.top_p is not None:
             fields["top_p"] = self.top_p
+        if self.wants_logprobs:
+            fields["logprobs"], fields["top_logprobs"] = True, self.top_logprobs
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            fields["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                                for tool in self.tools]

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: the routes and their streaming events, the request and response models, stored responses."""
