@@ -249,8 +249,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        # A flag that turns something off (store_false) would read "(default: True)", backwards.
         if ("default" in text or not action.option_strings or action.default in (None, False, [], "")
-                or action.default is argparse.SUPPRESS):
+                or action.default is argparse.SUPPRESS or isinstance(action, argparse._StoreFalseAction)):
             return text
         return f"{text} (default: %(default)s)"
 

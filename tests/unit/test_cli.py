@@ -163,6 +163,9 @@ def test_no_prefix_caching_help_reads_right(capsys: pytest.CaptureFixture[str]) 
     help_text = " ".join(capsys.readouterr().out.split())
     entry = help_text[help_text.index("--no-prefix-caching turn"):][:120]
     assert "prefix caching off" in entry and "default: True" not in entry.split("--speculative")[0]
+    # No flag that turns something off reads "(default: True)".
+    entry = help_text[help_text.index("--no-core-process run"):][:160]
+    assert "default: True" not in entry.split("structured outputs:")[0]
 
 
 def test_a_missing_model_is_one_clear_line_and_a_hub_id_says_conveyor_never_downloads(tmp_path) -> None:
