@@ -95,3 +95,7 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     status |= project_residual(s, l, l->format[3], act, I, l->down, l->down_bias, l->post_mlp_norm, x, I, h);
     return status ? -1 : 0;
 }
+
+/* sizeof(layer_t) (which 0) and sizeof(step_t) (1): Python builds them as decoder.LayerParams and
+ * StepParams, and checks their sizes at load. */
+int64_t decoder_struct_bytes(int which) { return which ? (int64_t)sizeof(step_t) : (int64_t)sizeof(layer_t); }

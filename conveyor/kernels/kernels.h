@@ -264,6 +264,8 @@ void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int6
                int64_t num_threads);
 void add_rows(void *x, const void *y, int64_t n, int is_bf16);
 void convert_fmt(const void *src, int src_fmt, void *dst, int dst_fmt, int64_t n);
+/* decoder.c */
+int64_t decoder_struct_bytes(int which);
 /* attention.c */
 int64_t attention_tile_size(int64_t H, int64_t KV, int64_t D, int64_t bs);
 int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,

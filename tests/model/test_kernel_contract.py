@@ -6,9 +6,11 @@ headers, at their top, with no two files needing each other."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -94,13 +96,16 @@ def _symbols(obj: Path) -> tuple[set[str], set[str]]:
 def test_no_two_sources_need_each_other(tmp_path: Path) -> None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     flags = [f for f in compile_flags(frozenset()) if f not in ("-shared", "-O3")]
-    defined, needed = {}, {}
-    for name in SOURCES:
+
+    def compiled(name: str) -> tuple[set[str], set[str]]:
         obj = tmp_path / f"{name}.o"
         subprocess.run([compiler, *flags, "-O0", "-c", "-o", str(obj), str(SOURCE_DIR / name)], check=True)
-        defined[name], needed[name] = _symbols(obj)
-    owner = {symbol: name for name, symbols in defined.items() for symbol in symbols}
-    uses = {name: {owner[s] for s in needed[name] if s in owner} - {name} for name in SOURCES}
+        return _symbols(obj)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        symbols = dict(zip(SOURCES, pool.map(compiled, SOURCES)))   # name -> (defined, needed)
+    owner = {symbol: name for name, (defined, _) in symbols.items() for symbol in defined}
+    uses = {name: {owner[s] for s in needed if s in owner} - {name} for name, (_, needed) in symbols.items()}
     order: list[str] = []   # a topological order exists only if no files need each other, however far round
     while len(order) < len(SOURCES):
         ready = [name for name in SOURCES if name not in order and uses[name] <= set(order)]
