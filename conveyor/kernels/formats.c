@@ -11,10 +11,11 @@
 static const int64_t SCALE_AT[FMT_END] = {KN_FORMATS(KN_SCALE_AT)};
 #undef KN_SCALE_AT
 
-/* Rows of KN_COLUMNS values, one per format in code order: code, weights, bytes, acts, header, low,
- * high, zero and scales as KN_FORMATS names them, the unit's geometry as the kernels spell it (quant.c's
- * code_bytes..., kquant_k.c's unit_k...), then where the file block's first scale sits. Returns the
- * number of rows, or -1 when `capacity` (values) is too small. */
+/* One row of KN_COLUMNS values per format, in code order: code, weights, bytes, acts, header, low, high,
+ * zero, scales (KN_FORMATS' columns), then the offset of the file block's first scale. Weights, header,
+ * low, high (and the legacy formats' zero) come from the functions the kernels call (code_bytes...,
+ * unit_k...), so a table edited without them fails the check. Returns the number of rows, or -1 when
+ * `capacity` (values) is too small. */
 #define KN_COLUMNS 10
 int64_t kn_formats(int64_t *out, int64_t capacity) {
     if (capacity < FMT_END * KN_COLUMNS) return -1;
