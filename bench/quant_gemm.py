@@ -23,11 +23,11 @@ import torch
 from conveyor import kernels
 from conveyor.kernels import gemm as fgemm
 from conveyor.kernels import quant
+from conveyor.kernels.build import NARROWER_BUILDS
 
 SHAPES = "576x1536,1536x576,49152x576"      # (N, K): down-like, up-like, tied lm_head
 ROTATE_BYTES = 256 << 20                    # more than any last-level cache here
-BUILDS = {"native": None, "avx2": frozenset({"avx2", "fma", "f16c"}), "portable": frozenset(),
-          "vnni256": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx_vnni"})}
+BUILDS = ("native", *NARROWER_BUILDS)
 # K-quant file blocks: bytes per 256 weights and where the f16 scales sit (gguf cannot quantize these).
 K_BLOCKS = {"q4_k": (144, (0, 2)), "q5_k": (176, (0, 2)), "q6_k": (210, (208,))}
 
@@ -73,11 +73,10 @@ def main() -> None:
     native = kernels.cpu_features()
     libs = {}
     for name in args.builds.split(","):
-        features = native if BUILDS[name] is None else BUILDS[name] & native
+        features = native if name == "native" else NARROWER_BUILDS[name] & native
         libs[name] = kernels.library_for(features)
         assert libs[name] is not None, "no C compiler"
-        print(f"build {name}: cpu {kernels.describe(features)}, quant path "
-              f"{ {f: quant.isa(libs[name], f) for f in ('q8_0', 'q4_k')} }")
+        print(f"build {name}: cpu {kernels.describe(features)}, quant path {quant.isa(libs[name])}")
     print(f"{'N x K':>12} {'fmt':>5} {'build':>8} {'thr':>3} {'M':>3} {'ms':>8} {'GB/s':>7} {'GFLOP/s':>8}")
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))

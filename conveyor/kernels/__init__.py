@@ -11,7 +11,7 @@ from functools import cache
 
 import torch
 
-from conveyor.kernels import decoder, threads
+from conveyor.kernels import decoder, formats, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
 __all__ = ["KernelLibrary", "library", "library_for", "use_sanitizers", "cpu_features", "describe",
@@ -38,6 +38,7 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     if built is None:
         return None
     lib = built.lib
+    formats.check(lib)   # compiled with the format table Python reads, or nothing runs
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 6 + [_F32, _P, _I64, _I64,
                                                                                                _INT, _INT]

@@ -30,13 +30,14 @@ from conveyor.private_cache import CACHE_ROOT, private_dir, read_private_file, w
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "stream.c", "shm_reduce.c")
-HEADERS = ("pool.h", "kquant.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
+SOURCES = ("attention.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_repack.c", "decoder.c", "pool.c",
+           "sampling.c", "stream.c", "shm_reduce.c", "formats.c")
+HEADERS = ("kernels.h", "pool.h", "kq_vec.h", "half.h")   # hashed into the cache key with the sources
 SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf/validate.py)
 DEFAULT_CACHE_DIR = CACHE_ROOT / "conveyor" / "kernels"
 MAX_LIBRARY_BYTES = 256 << 20
 
-# /proc/cpuinfo flag -> the compiler flag that enables code paths for it (the C code tests the macros).
+# /proc/cpuinfo flag -> the compiler flag that enables code paths for it (kernels.h turns the macros into tiers).
 FEATURE_FLAGS: dict[str, str] = {
     "avx2": "-mavx2",
     "fma": "-mfma",
@@ -77,6 +78,41 @@ def cpu_features() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split()).intersection(FEATURE_FLAGS)
     return frozenset()
+
+
+# The narrower code paths a wider CPU can also run, as the features that select them (each taken within
+# the CPU's own): tests and benchmarks build them to check every path gives the same bits.
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+NARROWER_BUILDS: dict[str, frozenset[str]] = {
+    "avx2": AVX2,
+    "vnni256": AVX2 | {"avx512f", "avx512vl", "avx512_vnni", "avx_vnni"},   # 256-bit VNNI in the AVX2 tiles
+    "portable": frozenset(),
+}
+
+
+def builds(features: frozenset[str], names: tuple[str, ...] = ("native", *NARROWER_BUILDS)) -> dict[str, frozenset[str]]:
+    """The feature set of each named build this CPU can run ("native": all of `features`); a narrower
+    build that would come out as another one on this CPU (vnni256 without VNNI) is left out."""
+    found = {"native": features, **{name: want & features for name, want in NARROWER_BUILDS.items()}}
+    picked = {name: found[name] for name in names}
+    if "vnni256" in picked and quant_isa(picked["vnni256"]) != "avx2-vnni":
+        del picked["vnni256"]
+    return picked
+
+
+def quant_isa(features: frozenset[str]) -> str:
+    """The quantized kernels' code path a build for `features` takes: kernels.h's tiers, which the
+    library reports (formats.isa_name) and tests compare with this."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= features:
+        return "avx512-vnni"
+    if AVX2 <= features:
+        return "avx2-vnni" if "avx_vnni" in features or {"avx512_vnni", "avx512vl"} <= features else "avx2"
+    return "portable"
+
+
+def compile_flags(features: frozenset[str], sanitize: bool = False) -> list[str]:
+    """The compiler's flags for a build using `features` (part of the cache key)."""
+    return [*BASE_FLAGS, *(FEATURE_FLAGS[f] for f in sorted(features)), *(SANITIZE_FLAGS if sanitize else ())]
 
 
 def describe(features: frozenset[str]) -> str:
@@ -156,7 +192,7 @@ def build(features: frozenset[str], cache_dir: Path = DEFAULT_CACHE_DIR, cache_r
         logger.warning("no C compiler found: using the slower torch kernels")
         return None
     compiler, version = found
-    flags = [*BASE_FLAGS, *(FEATURE_FLAGS[f] for f in sorted(features)), *(SANITIZE_FLAGS if sanitize else ())]
+    flags = compile_flags(features, sanitize)
     key = hashlib.sha256()
     for source in [*(SOURCE_DIR / name for name in SOURCES), *(SOURCE_DIR / name for name in HEADERS)]:
         key.update(source.name.encode() + b"\0" + source.read_bytes())

@@ -13,26 +13,7 @@
  */
 #include <stdint.h>
 
-int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, const float *res, int64_t ldr,
-             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
-int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *res,
-              int64_t ldr, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads);
-void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
-             int is_bf16, int64_t num_threads);
-int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
-               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
-               const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads);
-void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
-               int64_t num_threads);
-void add_rows(void *x, const void *y, int64_t n, int is_bf16);
-struct kq_linear;   /* kquant.c's description of a quantized linear layer (its segments and biases) */
-int kq_linear(const float *x, int64_t ldx, const struct kq_linear *L, float *y, int64_t ldy, int64_t M,
-              int64_t num_threads);
-int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *tables,
-                    int64_t max_blocks, const int64_t *rows, const int64_t *ctx_lens, const int64_t *tokens,
-                    const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                    int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int act_fmt,
-                    int kv_fmt);
+#include "kernels.h"
 
 /* Per-layer constants, set once at load. Pointers: weights, optional biases (NULL: none). A weight is
  * a packed float panel set (gemm.c) when its format is -1, else a kquant.c linear layer (its own
@@ -114,3 +95,7 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     status |= project_residual(s, l, l->format[3], act, I, l->down, l->down_bias, l->post_mlp_norm, x, I, h);
     return status ? -1 : 0;
 }
+
+/* sizeof(layer_t) (which 0) and sizeof(step_t) (1): Python builds them as decoder.LayerParams and
+ * StepParams, and checks their sizes at load. */
+int64_t decoder_struct_bytes(int which) { return which ? (int64_t)sizeof(step_t) : (int64_t)sizeof(layer_t); }

@@ -35,6 +35,11 @@ class StepParams(ctypes.Structure):
 def declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layer.restype = ctypes.c_int
     lib.decoder_layer.argtypes = [_P, ctypes.POINTER(LayerParams), ctypes.POINTER(StepParams), _P, _P, _P]
+    lib.decoder_struct_bytes.restype = _I64
+    lib.decoder_struct_bytes.argtypes = [ctypes.c_int]
+    for which, params in enumerate((LayerParams, StepParams)):
+        if lib.decoder_struct_bytes(which) != ctypes.sizeof(params):
+            raise RuntimeError(f"decoder.{params.__name__} does not match decoder.c's struct")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

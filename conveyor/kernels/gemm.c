@@ -15,11 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "half.h"
-#include "pool.h"
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
 #define NR 32
 #ifndef PF_DIST
@@ -33,17 +29,17 @@
 #endif
 #define MC 64   /* rows of x per block: the block stays in L2 while the weight panels stream past */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if KN_AVX512
 #define HAVE_AVX512 1
 #define MR_F32 8
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif KN_AVX2
 #define HAVE_AVX2 1
 #define MR_F32 6
 #else
 #define MR_F32 4
 #endif
 
-#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#if KN_AVX512_BF16
 #define HAVE_AVX512BF16 1
 #define MR_BF16 8
 #else

@@ -13,14 +13,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "half.h"
+#include "kernels.h"
 
 #define KQV static inline __attribute__((always_inline))
 
 static inline int32_t load_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define KQV_ISA 2
+#if KN_ISA == KN_ISA_AVX512_VNNI
 typedef __m512i v16i;
 typedef __m512 v16f;
 KQV v16i vload(const void *p) { return _mm512_loadu_si512(p); }
@@ -55,12 +54,7 @@ KQV v16f vfload(const float *p) { return _mm512_loadu_ps(p); }
 KQV void vfstore(float *p, v16f a) { _mm512_storeu_ps(p, a); }
 KQV void vstore(void *p, v16i a) { _mm512_storeu_si512(p, a); }
 
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-#define KQV_ISA 3
-#else
-#define KQV_ISA 1
-#endif
+#elif KN_ISA == KN_ISA_AVX2_VNNI || KN_ISA == KN_ISA_AVX2
 typedef struct { __m256i a, b; } v16i;   /* lanes 0-7, 8-15 (bytes 0-31, 32-63) */
 typedef struct { __m256 a, b; } v16f;
 #define V2(expr_a, expr_b) ((v16i){expr_a, expr_b})
@@ -85,9 +79,9 @@ KQV v16i vi8(const uint8_t *p) {
     return V2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
 KQV __m256i dot8(__m256i acc, __m256i codes, __m256i x) {
-#if KQV_ISA == 3 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if KN_ISA == KN_ISA_AVX2_VNNI && KN_VNNI256_EVEX
     return _mm256_dpbusd_epi32(acc, codes, x);
-#elif KQV_ISA == 3
+#elif KN_ISA == KN_ISA_AVX2_VNNI
     return _mm256_dpbusd_avx_epi32(acc, codes, x);
 #else   /* codes <= 63, |x| <= 127: a pair's sum fits int16 without saturating */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
@@ -98,7 +92,7 @@ KQV v16i vdot(v16i acc, v16i codes, const int8_t *x) {
     return V2(dot8(acc.a, codes.a, xb), dot8(acc.b, codes.b, xb));
 }
 KQV __m256i dot8w(__m256i acc, __m256i codes, __m256i x) {
-#if KQV_ISA == 3
+#if KN_ISA == KN_ISA_AVX2_VNNI
     return dot8(acc, codes, x);
 #else   /* codes up to 255: their top bit apart, so no pair's sum passes int16 */
     const __m256i top = _mm256_and_si256(codes, _mm256_set1_epi8((char)0x80)), ones = _mm256_set1_epi16(1);
@@ -114,9 +108,9 @@ KQV v16i vpair(v16i lo, v16i hi) {
     return V2(_mm256_or_si256(lo.a, _mm256_slli_epi32(hi.a, 16)), _mm256_or_si256(lo.b, _mm256_slli_epi32(hi.b, 16)));
 }
 KQV __m256i dot8_16(__m256i acc, __m256i pairs, __m256i x) {
-#if KQV_ISA == 3 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if KN_ISA == KN_ISA_AVX2_VNNI && KN_VNNI256_EVEX
     return _mm256_dpwssd_epi32(acc, pairs, x);
-#elif KQV_ISA == 3
+#elif KN_ISA == KN_ISA_AVX2_VNNI
     return _mm256_dpwssd_avx_epi32(acc, pairs, x);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, x));
@@ -143,7 +137,6 @@ KQV void vfstore(float *p, v16f x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(
 KQV void vstore(void *p, v16i x) { _mm256_storeu_si256((__m256i *)p, x.a); _mm256_storeu_si256((__m256i *)p + 1, x.b); }
 
 #else
-#define KQV_ISA 0
 typedef union { int32_t i[16]; uint8_t b[64]; } v16i;
 typedef struct { float f[16]; } v16f;
 #define LANES(e) for (int l_ = 0; l_ < 16; l_++) { const int l = l_; e; }

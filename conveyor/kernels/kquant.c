@@ -2,30 +2,18 @@
  * parts differ in format quantizes its activations once per scheme), and the activations of
  * quant.c's formats and the 32-k ones of kquant_k.c (Q5_0, Q5_1, IQ4_NL): int8 per row and 32-k
  * block (d_x = amax / 127), with their sums. The kernels are quant.c's (Q8_0, Q4_0, Q4_1) and
- * kquant_k.c's (the rest; it quantizes the 256-k formats' activations itself); work items are (block of MC rows, panel of 32
- * output channels), and a row's result never depends on which item or thread computed it.
+ * kquant_k.c's (the rest; it quantizes the 256-k formats' activations itself); work items are
+ * (block of MC rows, panel of 32 output channels), and a row's result never depends on which item
+ * or thread computed it.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kquant.h"
-#include "pool.h"
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
 #define MC 64   /* rows per work item: kquant_k.c's kq_panel_k takes at most 64 */
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KQ_AVX2 1
-#endif
-
-/* quant.c: the legacy formats' tiles over activations quantized here. */
-void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, int64_t K, const float *dx,
-                      const int32_t *sx, const float *sxd, const float *bias, float *y, int64_t ldy, int64_t nc,
-                      int64_t m0, int64_t m1);
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -44,7 +32,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
         const float *xb = x + b * QK;
         int32_t half[2] = {0, 0};
         float amax = 0.f;
-#if defined(KQ_AVX2)
+#if KN_AVX2
         const __m256 sign = _mm256_set1_ps(-0.f);
         __m256 v[4], m = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
@@ -100,18 +88,6 @@ int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t 
 
 /* ------------------------------------------------------------------ the linear layer */
 
-typedef struct {
-    int64_t fmt, n;           /* format code, output channels */
-    const uint8_t *w;         /* repacked panels */
-    const float *bias;        /* (n,) or NULL */
-} kq_segment;
-
-#define KQ_MAX_SEGMENTS 4
-typedef struct {
-    int64_t num_segments, k;
-    kq_segment seg[KQ_MAX_SEGMENTS];
-} kq_linear_t;
-
 typedef struct {   /* kquant_k.c's activations: [M][K], [M][K/256], [M][K/32], [M][K/16] */
     int8_t *qx;
     float *du;
@@ -152,16 +128,14 @@ static void linear_item(void *arg, int64_t item) {
     const float *bias = seg->bias ? seg->bias + n0 : 0;
     float *y = j->y + j->col[s] + n0;
     const int fmt = (int)seg->fmt;
-    if (fmt < FMT_Q5_0) {
-        const uint8_t *wp = seg->w + p * quant_panel_bytes(fmt, K);
+    const uint8_t *wp = seg->w + p * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt);
+    if (legacy_format(fmt)) {
         quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
                          j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
     } else if (acts256(fmt)) {
-        const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
         kq_panel_k(fmt, wp, K, j->k.qx + m0 * K, j->k.du + m0 * (K / 256), j->k.bs32 + m0 * (K / 32),
                    j->k.o16 + m0 * (K / 16), bias, y + m0 * j->ldy, j->ldy, nc, m1 - m0);
     } else {   /* Q5_0, Q5_1, IQ4_NL: a unit is one 32-k block, the per-32 activations serve (s16 for o16) */
-        const uint8_t *wp = seg->w + p * (K / unit_k(fmt)) * unit_bytes(fmt);
         kq_panel_k(fmt, wp, K, j->a.qx + m0 * K, j->a.dx + m0 * KB, j->a.sx + m0 * KB, j->a.s16 + m0 * KB, bias,
                    y + m0 * j->ldy, j->ldy, nc, m1 - m0);
     }
@@ -174,7 +148,7 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
     const int64_t K = L->k;
     if (K % QK || L->num_segments < 1 || L->num_segments > KQ_MAX_SEGMENTS) return -1;
     for (int64_t s = 0; s < L->num_segments; s++)
-        if (L->seg[s].fmt < 0 || L->seg[s].fmt >= FMT_END || K % (L->seg[s].fmt < FMT_Q5_0 ? QK : unit_k((int)L->seg[s].fmt)))
+        if (L->seg[s].fmt < 0 || L->seg[s].fmt >= FMT_END || K % kn_unit_k((int)L->seg[s].fmt))
             return -1;
     if (M <= 0) return 0;
     const int64_t KB = K / QK, blocks = (M + MC - 1) / MC;

@@ -1,5 +1,5 @@
 /* Matmul on weights kept in Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_K and Q6_K, repacked into kquant_repack.c's panels of 32
- * output channels (see kquant.h), written once over kq_vec.h's 16-lane values.
+ * output channels (kn_panel_* in kernels.h), written once over kq_vec.h's 16-lane values.
  *
  * The K-quants' activations are quantized as llama.cpp's Q8_K: one scale per row and 256-k unit
  * (du = amax / 127), int8 codes, and the codes' sums per 32 k (for Q4_K / Q5_K's mins) and per 16 k
@@ -26,10 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kquant.h"
+#include "kernels.h"
 #include "kq_vec.h"
 
-#if KQV_ISA == 2
+#if KN_ISA == KN_ISA_AVX512_VNNI
 #define ROWS 4   /* 6 accumulators a row fit 32 registers four times */
 #else
 #define ROWS 1
@@ -82,7 +82,7 @@ int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *
 /* IQ4's table with 128 added: unsigned codes for vpdpbusd, the 128 taken off with the activations' sums. */
 static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-/* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kquant.h's planes. */
+/* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kernels.h's planes. */
 KQV void group_codes(const int fmt, const uint8_t *blk, const int g, v16i *lo, v16i *hi) {
     if (fmt == FMT_Q3_K) {   /* 2 low bits, then bit 2 from a Q5-style plane */
         const v16i v = vload(blk + low_line(fmt, g)), u = vload(blk + high_line(fmt, g));
@@ -286,6 +286,3 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     for (int64_t r = 0; r < M; r++)
         for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
 }
-
-/* This build's code path: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AVX2 with 256-bit VNNI. */
-int kq_isa(void) { return KQV_ISA; }

@@ -1,20 +1,15 @@
-/* Repacking GGUF blocks into kquant.c's panels (and quant.c's, for Q8_0 / Q4_0 / Q4_1), in C, straight
- * from the memory-mapped file: one pass per panel, parallel over panels. */
+/* Repacking GGUF blocks (block_*) into our panels (kn_panel_*, both in kernels.h), in C, straight from
+ * the memory-mapped file: one pass per panel, parallel over panels. */
 #include <stdint.h>
 #include <string.h>
 
-#include "half.h"
-#include "kquant.h"
-#include "pool.h"
-
-float kq_half_to_float(uint16_t h) { return f16_to_f32(h); }   /* for quant.c and kquant.c */
+#include "kernels.h"
 
 /* Bytes of a repacked (N, K) weight; -1 when the format cannot take K. */
 int64_t kq_packed_bytes(int fmt, int64_t N, int64_t K) {
     const int64_t panels = (N + NR - 1) / NR;
-    if (fmt < FMT_Q5_0) return K % QK ? -1 : panels * quant_panel_bytes(fmt, K);
-    if (fmt >= FMT_END || K % unit_k(fmt)) return -1;
-    return panels * (K / unit_k(fmt)) * unit_bytes(fmt);
+    if (fmt < 0 || fmt >= FMT_END || K % kn_unit_k(fmt)) return -1;
+    return panels * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt);
 }
 
 /* ------------------------------------------------------------------ repacking from GGUF blocks */
@@ -27,41 +22,47 @@ static inline void scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m
 
 /* The unsigned codes of one file block (unit_k of them). */
 static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
-    if (fmt == FMT_Q8) {
-        for (int e = 0; e < 32; e++) q[e] = (uint8_t)((int8_t)b[2 + e] + 128);
+    if (fmt == FMT_Q8_0) {
+        const block_q8_0 *x = (const void *)b;
+        for (int e = 0; e < 32; e++) q[e] = (uint8_t)(x->qs[e] + 128);
     } else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
-        const uint8_t *qs = b + (fmt == FMT_Q4_0 ? 2 : 4);
+        const uint8_t *qs = fmt == FMT_Q4_0 ? ((const block_q4_0 *)b)->qs : ((const block_q4_1 *)b)->qs;
         for (int e = 0; e < 16; e++) { q[e] = qs[e] & 15; q[e + 16] = qs[e] >> 4; }
     } else if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
-        const int at = fmt == FMT_Q5_0 ? 2 : 4;   /* qh after d (and m) */
+        const block_q5_0 *x0 = (const void *)b;
+        const block_q5_1 *x1 = (const void *)b;
+        const uint8_t *qs = fmt == FMT_Q5_0 ? x0->qs : x1->qs;
         uint32_t qh;
-        memcpy(&qh, b + at, 4);
+        memcpy(&qh, fmt == FMT_Q5_0 ? x0->qh : x1->qh, 4);
         for (int e = 0; e < 16; e++) {
-            q[e] = (uint8_t)((b[at + 4 + e] & 15) | ((qh >> e) & 1) << 4);
-            q[e + 16] = (uint8_t)((b[at + 4 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+            q[e] = (uint8_t)((qs[e] & 15) | ((qh >> e) & 1) << 4);
+            q[e + 16] = (uint8_t)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
         }
     } else if (fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS) {   /* table indices, 16 bytes per 32 k */
-        const uint8_t *qs = b + (fmt == FMT_IQ4_NL ? 2 : 8);
-        for (int j = 0; j < unit_k(fmt) / 32; j++)
+        const uint8_t *qs = fmt == FMT_IQ4_NL ? ((const block_iq4_nl *)b)->qs : ((const block_iq4_xs *)b)->qs;
+        for (int j = 0; j < kn_unit_k(fmt) / 32; j++)
             for (int e = 0; e < 16; e++) { q[32 * j + e] = qs[16 * j + e] & 15; q[32 * j + e + 16] = qs[16 * j + e] >> 4; }
     } else if (fmt == FMT_Q3_K) {   /* 2 low bits from qs, bit 2 from hmask: code = value + 4 */
+        const block_q3_k *x = (const void *)b;
         for (int n = 0; n < 2; n++)
             for (int j = 0; j < 4; j++)
                 for (int l = 0; l < 32; l++)
-                    q[n * 128 + j * 32 + l] = (uint8_t)(((b[32 + n * 32 + l] >> (2 * j)) & 3) |
-                                                        ((b[l] >> (n * 4 + j)) & 1) << 2);
+                    q[n * 128 + j * 32 + l] = (uint8_t)(((x->qs[n * 32 + l] >> (2 * j)) & 3) |
+                                                        ((x->hmask[l] >> (n * 4 + j)) & 1) << 2);
     } else if (fmt == FMT_Q6_K) {
+        const block_q6_k *x = (const void *)b;
         for (int half = 0; half < 2; half++)
             for (int l = 0; l < 32; l++) {
-                const uint8_t *ql = b + half * 64, hi = b[128 + half * 32 + l];
+                const uint8_t *ql = x->ql + half * 64, hi = x->qh[half * 32 + l];
                 uint8_t *o = q + half * 128;
                 o[l] = (uint8_t)((ql[l] & 15) | (hi & 3) << 4);
                 o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((hi >> 2) & 3) << 4);
                 o[l + 64] = (uint8_t)((ql[l] >> 4) | ((hi >> 4) & 3) << 4);
                 o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((hi >> 6) & 3) << 4);
             }
-    } else {
-        const uint8_t *qs = b + (fmt == FMT_Q4_K ? 16 : 48), *qh = b + 16;
+    } else {   /* Q4_K, Q5_K */
+        const uint8_t *qs = fmt == FMT_Q4_K ? ((const block_q4_k *)b)->qs : ((const block_q5_k *)b)->qs;
+        const uint8_t *qh = ((const block_q5_k *)b)->qh;
         for (int j = 0; j < 8; j++)
             for (int l = 0; l < 32; l++) {
                 int v = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
@@ -80,32 +81,41 @@ static void scales_q3k(const uint8_t *s, int8_t out[16]) {
     }
 }
 
-/* A unit's header for channel c from its file block b (see kquant.h). */
+/* A unit's header for channel c from its file block b. Q5_K's header is laid out as Q4_K's. */
 static void unit_header(int fmt, int c, const uint8_t *b, uint8_t *hdr) {
     if (fmt == FMT_Q6_K) {
-        memcpy(hdr + 2 * c, b + 208, 2);
-        for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = b[192 + s];
+        const block_q6_k *x = (const void *)b;
+        kn_panel_q6_k *u = (void *)hdr;
+        memcpy(&u->d[c], &x->d, 2);
+        for (int s = 0; s < 16; s++) u->sc[s][c] = x->scales[s];
     } else if (fmt == FMT_Q3_K) {
+        const block_q3_k *x = (const void *)b;
+        kn_panel_q3_k *u = (void *)hdr;
         int8_t sc[16];
-        memcpy(hdr + 2 * c, b + 108, 2);
-        scales_q3k(b + 96, sc);
-        for (int s = 0; s < 16; s++) hdr[64 + s * 32 + c] = (uint8_t)sc[s];
+        memcpy(&u->d[c], &x->d, 2);
+        scales_q3k(x->scales, sc);
+        for (int s = 0; s < 16; s++) u->sc[s][c] = sc[s];
     } else if (fmt == FMT_IQ4_XS) {
+        const block_iq4_xs *x = (const void *)b;
+        kn_panel_iq4_xs *u = (void *)hdr;
         uint16_t high;
-        memcpy(hdr + 2 * c, b, 2);
-        memcpy(&high, b + 2, 2);
+        memcpy(&u->d[c], &x->d, 2);
+        memcpy(&high, &x->scales_h, 2);
         for (int j = 0; j < 8; j++)
-            hdr[64 + j * 32 + c] = (uint8_t)(int8_t)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4) - 32);
-    } else {
-        memcpy(hdr + 2 * c, b, 2);
-        if (fmt == FMT_Q5_1) memcpy(hdr + 64 + 2 * c, b + 2, 2);
-        if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
-            memcpy(hdr + 64 + 2 * c, b + 2, 2);
-            uint8_t sc[8], m[8];
-            for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, sc + s, m + s);
-            for (int s = 0; s < 8; s++) hdr[128 + s * 32 + c] = (uint8_t)(sc[s] | (m[s] >> 4) << 6);
-            for (int p = 0; p < 4; p++) hdr[384 + p * 32 + c] = (uint8_t)((m[2 * p] & 15) | (m[2 * p + 1] & 15) << 4);
-        }
+            u->sc[j][c] = (int8_t)((((x->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4) - 32);
+    } else if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        const block_q4_k *x = (const void *)b;   /* Q5_K's d, dmin, scales sit as Q4_K's */
+        kn_panel_q4_k *u = (void *)hdr;
+        uint8_t sc[8], m[8];
+        memcpy(&u->d[c], &x->d, 2);
+        memcpy(&u->dmin[c], &x->dmin, 2);
+        for (int s = 0; s < 8; s++) scale_min_k4(s, x->scales, sc + s, m + s);
+        for (int s = 0; s < 8; s++) u->S[s][c] = (uint8_t)(sc[s] | (m[s] >> 4) << 6);
+        for (int p = 0; p < 4; p++) u->ML[p][c] = (uint8_t)((m[2 * p] & 15) | (m[2 * p + 1] & 15) << 4);
+    } else {   /* Q5_0, IQ4_NL: d; Q5_1: d, m */
+        kn_panel_q5_1 *u = (void *)hdr;
+        memcpy(&u->d[c], b, 2);
+        if (fmt == FMT_Q5_1) memcpy(&u->m[c], &((const block_q5_1 *)b)->m, 2);
     }
 }
 
@@ -118,25 +128,24 @@ typedef struct {
     uint8_t *out;
 } repack_job;
 
-/* quant.c's layout (Q8: codes [8 g][32 ch][4 k], Q4: nibbles [8 g][16 ch][4 k]; then d[32], m[32]). */
+/* quant.c's layout (kn_panel_q8_0, _q4_0, _q4_1: codes, then d[32], m[32]). */
 static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t *q, uint8_t *blk) {
-    const int64_t codes = fmt == FMT_Q8 ? 1024 : 512;
+    const int64_t codes = code_bytes(fmt);
     for (int k = 0; k < QK; k++) {
         const int g = k / 4, i = k % 4;
-        if (fmt == FMT_Q8) blk[g * 128 + c * 4 + i] = q[k];
+        if (fmt == FMT_Q8_0) blk[g * 128 + c * 4 + i] = q[k];
         else blk[g * 64 + (c % 16) * 4 + i] |= (uint8_t)(q[k] << (c < 16 ? 0 : 4));
     }
-    memcpy(blk + codes + 2 * c, b, 2);
-    if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, b + 2, 2);
+    memcpy(blk + codes + 2 * c, b, 2);   /* d leads each of the three file blocks */
+    if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, &((const block_q4_1 *)b)->m, 2);
 }
 
 static void repack_panel(void *arg, int64_t p) {
     const repack_job *j = arg;
     const int fmt = j->fmt;
-    const int legacy = fmt < FMT_Q5_0;
-    const int64_t uk = legacy ? QK : unit_k(fmt), units = j->K / uk, blocks = uk / QK;
-    const int64_t ub = legacy ? quant_panel_bytes(fmt, QK) : unit_bytes(fmt);
-    const int64_t fb = file_block_bytes(fmt);
+    const int legacy = legacy_format(fmt);
+    const int64_t uk = kn_unit_k(fmt), units = j->K / uk, blocks = uk / QK, ub = kn_unit_bytes(fmt);
+    const int64_t fb = kn_file_bytes(fmt);
     uint8_t *panel = j->out + p * units * ub;
     memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
     uint8_t q[256];
@@ -184,8 +193,7 @@ static void repack_panel(void *arg, int64_t p) {
 int kq_repack(int fmt, const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
               uint8_t *out, int64_t num_threads) {
     if (fmt < 0 || fmt >= FMT_END) return -1;
-    const int64_t uk = fmt < FMT_Q5_0 ? QK : unit_k(fmt);
-    const int64_t fb = file_block_bytes(fmt);
+    const int64_t uk = kn_unit_k(fmt), fb = kn_file_bytes(fmt);
     if (K % uk || row_bytes < K / uk * fb) return -1;
     repack_job job = {fmt, raw, row_bytes, rows, N, K, out};
     pool_for((N + NR - 1) / NR, repack_panel, &job, num_threads);

@@ -14,8 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "half.h"
-#include "pool.h"
+#include "kernels.h"
 
 #define MAX_D 256
 

@@ -12,7 +12,7 @@
  * sleep on a futex.
  */
 #define _GNU_SOURCE
-#include "pool.h"
+#include "kernels.h"
 
 #include <limits.h>
 #include <linux/futex.h>

@@ -1,7 +1,8 @@
 /* Matmul on weights kept quantized in blocks of 32 along K: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
  *
- * Weights are repacked at load (see quant.py) into panels of NR = 32 output channels; a panel is a
- * run of K/32 blocks, each block holding unsigned codes, then fp16 scales d (and fp16 mins m):
+ * Weights are repacked at load (kquant_repack.c) into panels of NR = 32 output channels; a panel is a
+ * run of K/32 blocks (kn_panel_q8_0, _q4_0, _q4_1 in kernels.h), each block holding unsigned codes,
+ * then fp16 scales d (and fp16 mins m):
  *   Q8   : codes u8[8 groups][32 ch][4 k]                 1024 B, d[32]          -> 1088 B / 1024 w
  *   Q4_0 : nibbles u8[8 groups][16 ch][4 k] (lo = ch c,   512 B, d[32]          ->  576 B
  *          hi = ch c + 16)
@@ -11,11 +12,12 @@
  * vector of codes times a broadcast of 4 activation bytes gives 16 channels' partial dots at once.
  *
  * Activations are quantized per row and per 32-block to int8 (d_x = amax / 127), as llama.cpp's
- * Q8 activations, by kquant.c's linear layer, which runs these tiles as its segments. Per block the integer dot is exact, and the float step
+ * Q8 activations, by kquant.c's linear layer, which runs these tiles as its segments. Per block the
+ * integer dot is exact, and the float step
  *   acc += float(isum - zp * sum(q_x)) * (d_w * d_x)   (+ m_w * (d_x * sum(q_x)))
  * runs in one fixed order per row, so a row's output never depends on M or on the other rows.
- * Code paths: AVX-512 VNNI, AVX2 with 256-bit VNNI, AVX2 (maddubs/madd), portable C; chosen by the
- * build flags. All integer dots are exact and the float steps the same, so the SIMD paths agree bit
+ * Code paths: AVX-512 VNNI, AVX2 with 256-bit VNNI, AVX2 (maddubs/madd), portable C: kernels.h's
+ * tiers for the build flags. All integer dots are exact and the float steps the same, so the SIMD paths agree bit
  * for bit.
  */
 #include <math.h>
@@ -23,25 +25,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool.h"
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
-#define QK 32
-#define NR 32
 #define MC 64   /* rows per work item: their quantized activations stay in cache while panels stream */
 
-enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if KN_VNNI512
 #define HAVE_VNNI512 1
 #define MR 6    /* rows per pass over a panel: each loaded weight vector serves all of them */
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif KN_AVX2
 #define HAVE_AVX2 1
 #define MR 4
-/* 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI with VL but no BW) in the AVX2 tile. */
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if KN_VNNI256   /* 256-bit vpdpbusd in the AVX2 tile */
 #define HAVE_VNNI256 1
 #endif
 #else
@@ -50,13 +44,11 @@ enum { FMT_Q8 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 
 #define INLINE static inline __attribute__((always_inline))
 
-static inline int64_t code_bytes(int fmt) { return fmt == FMT_Q8 ? 1024 : 512; }
-static inline int64_t block_bytes(int fmt) { return code_bytes(fmt) + (fmt == FMT_Q4_1 ? 128 : 64); }
-static inline int zero_point(int fmt) { return fmt == FMT_Q8 ? 128 : fmt == FMT_Q4_0 ? 8 : 0; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-float kq_half_to_float(uint16_t h);   /* kquant.c */
-#define half_to_float kq_half_to_float
+/* Opaque to gcc (noipa), as a call into another file would be: seen through, it lets gcc vectorise the
+ * portable tile and reassociate its float steps, which changes their bits. */
+static __attribute__((noipa)) float half_to_float(uint16_t h) { return f16_to_f32(h); }
 
 /* ------------------------------------------------------------------ tiles: mr rows x one panel */
 
@@ -75,7 +67,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             __m512i w0, w1;
-            if (fmt == FMT_Q8) {
+            if (fmt == FMT_Q8_0) {
                 w0 = _mm512_loadu_si512(blk + g * 128);
                 w1 = _mm512_loadu_si512(blk + g * 128 + 64);
             } else {
@@ -127,7 +119,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
 #if defined(HAVE_VNNI256)
 #define VNNI256 1
 INLINE __m256i vnni256(__m256i acc, __m256i u8, __m256i s8) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if KN_VNNI256_EVEX
     return _mm256_dpbusd_epi32(acc, u8, s8);
 #else
     return _mm256_dpbusd_avx_epi32(acc, u8, s8);
@@ -156,7 +148,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
             for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 __m256i w0, w1;
-                if (fmt == FMT_Q8) {
+                if (fmt == FMT_Q8_0) {
                     w0 = _mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64));
                     w1 = _mm256_loadu_si256((const __m256i *)(blk + g * 128 + h * 64 + 32));
 #if !defined(HAVE_VNNI256)   /* back to signed codes; |q| with the sign moved onto x keeps maddubs from saturating */
@@ -178,7 +170,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
                     dot[r][1] = vnni256(dot[r][1], w1, xb);
 #else
                     __m256i p0, p1;
-                    if (fmt == FMT_Q8) {
+                    if (fmt == FMT_Q8_0) {
                         p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(xb, w0));
                         p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(xb, w1));
                     } else {
@@ -194,7 +186,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
             const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + h * 32 + 16)));
             for (int r = 0; r < mr; r++) {
                 const int64_t i = r * KB + kb;
-                if (fmt == FMT_Q4_0 || (VNNI256 && fmt == FMT_Q8)) {   /* maddubs took Q8's codes signed */
+                if (fmt == FMT_Q4_0 || (VNNI256 && fmt == FMT_Q8_0)) {   /* maddubs took Q8's codes signed */
                     const __m256i zs = _mm256_set1_epi32(zero_point(fmt) * sx[i]);
                     dot[r][0] = _mm256_sub_epi32(dot[r][0], zs);
                     dot[r][1] = _mm256_sub_epi32(dot[r][1], zs);
@@ -231,7 +223,7 @@ INLINE void tile(const int fmt, const int mr, const uint8_t *w, int64_t KB, cons
         for (int g = 0; g < 8; g++)
             for (int c = 0; c < NR; c++)
                 for (int i = 0; i < 4; i++) {
-                    if (fmt == FMT_Q8) codes[c][g * 4 + i] = blk[g * 128 + c * 4 + i];
+                    if (fmt == FMT_Q8_0) codes[c][g * 4 + i] = blk[g * 128 + c * 4 + i];
                     else {
                         const uint8_t v = blk[g * 64 + (c & 15) * 4 + i];
                         codes[c][g * 4 + i] = c < 16 ? v & 15 : v >> 4;
@@ -273,24 +265,8 @@ void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, 
     for (int64_t m = m0; m < m1; m += MR) {
         const int mr = (int)min64(MR, m1 - m);
         const int64_t a = m * KB;
-        if (fmt == FMT_Q8) { ROWS(FMT_Q8, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
+        if (fmt == FMT_Q8_0) { ROWS(FMT_Q8_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
         else if (fmt == FMT_Q4_0) { ROWS(FMT_Q4_0, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
         else { ROWS(FMT_Q4_1, mr, wp, KB, qx + m * K, K, dx + a, sx + a, sxd + a, bias, y + m * ldy, ldy, nc); }
     }
-}
-
-int64_t quant_panel_bytes(int fmt, int64_t K) { return K / QK * block_bytes(fmt); }
-
-/* Which code path this build took, for logs and tests: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AVX2
- * with 256-bit VNNI. */
-int quant_isa(void) {
-#if defined(HAVE_VNNI512)
-    return 2;
-#elif defined(HAVE_VNNI256)
-    return 3;
-#elif defined(HAVE_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
 }

@@ -4,7 +4,8 @@ kquant.c).
 Q8_0 / Q4_0 / Q4_1 (and int8 made from float checkpoints) are stored as unsigned codes with a zero
 point, w = d * (code - zp) (+ m for Q4_1), in the layout described at the top of quant.c; Q5_0, Q5_1,
 IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_K and Q6_K keep their own scales and are repacked in C straight from
-the file's blocks (kquant_repack.c, layout in kquant.h). Every repacking is lossless. A linear layer is a list of segments along N, each in its
+the file's blocks (kquant_repack.c). Every repacking is lossless. Codes, block sizes and layouts come
+from kernels.h's format table (formats.py). A linear layer is a list of segments along N, each in its
 own format, sharing one quantization of the activations (a fused q/k/v whose parts differ).
 """
 
@@ -17,23 +18,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.kernels import threads
+from conveyor.kernels import formats, threads
 from conveyor.kernels.build import KernelLibrary
 
-QK = 32      # weights per block along K
-PANEL = 32   # output channels per panel
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_1": 7, "iq4_nl": 8,
-           "iq4_xs": 9, "q3_k": 10}
-LEGACY = ("q8_0", "q4_0", "q4_1")            # quant.c's kernels; the rest are kquant_k.c's
-K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k")   # activations quantized per 256 k (llama.cpp's Q8_K)
-# Weights per file block along K, for the formats repacked in C.
-BLOCK_WEIGHTS = {"q5_0": 32, "q5_1": 32, "iq4_nl": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256}
-ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
-CODE_BYTES = {"q8_0": 1024, "q4_0": 512, "q4_1": 512}
-BLOCK_BYTES = {"q8_0": 1088, "q4_0": 576, "q4_1": 640}   # per block of 32 channels x 32 k
+QK = formats.QK   # weights per block along K
+PANEL = 32        # output channels per panel
+FORMATS = {f.name: f.code for f in formats.FORMATS.values()}   # our name -> the kernels' format code
+LEGACY = tuple(f.name for f in formats.FORMATS.values() if f.legacy)   # quant.c's kernels and layout
+K_QUANTS = tuple(f.name for f in formats.FORMATS.values() if f.act_group == 256)   # llama.cpp's Q8_K activations
+BLOCK_WEIGHTS = {f.name: f.block_weights for f in formats.FORMATS.values()}       # per file block along K
+# The legacy layout, which this module packs itself: a block of 32 channels x 32 k is its codes, then scales.
+ZERO_POINTS = {name: formats.FORMATS[name].zero_point for name in LEGACY}
+CODE_BYTES = {name: formats.FORMATS[name].low_bytes for name in LEGACY}
+BLOCK_BYTES = {name: formats.FORMATS[name].unit_bytes for name in LEGACY}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-MAX_SEGMENTS = 4
+MAX_SEGMENTS = 4   # KQ_MAX_SEGMENTS
 
 
 class _Segment(ctypes.Structure):
@@ -41,7 +41,7 @@ class _Segment(ctypes.Structure):
 
 
 class LinearSpec(ctypes.Structure):
-    """kquant.c's kq_linear_t: the segments of one quantized linear layer."""
+    """kernels.h's kq_linear_t: the segments of one quantized linear layer."""
     _fields_ = [("num_segments", _I64), ("k", _I64), ("seg", _Segment * MAX_SEGMENTS)]
 
 
@@ -65,10 +65,6 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
     if not getattr(lib, "_quant_declared", False):
         lib.quant_activations.restype = ctypes.c_int
         lib.quant_activations.argtypes = [_P, _I64, _I64, _I64, _P, _P]
-        lib.quant_isa.restype = ctypes.c_int
-        lib.quant_isa.argtypes = []
-        lib.kq_isa.restype = ctypes.c_int
-        lib.kq_isa.argtypes = []
         lib.kq_activations_k.restype = ctypes.c_int
         lib.kq_activations_k.argtypes = [_P, _I64, _I64, _I64, _P, _P]
         lib.kq_linear.restype = ctypes.c_int
@@ -77,23 +73,21 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
         lib.kq_repack.argtypes = [ctypes.c_int, _P, _I64, _P, _I64, _I64, _P, _I64]
         lib.kq_packed_bytes.restype = _I64
         lib.kq_packed_bytes.argtypes = [ctypes.c_int, _I64, _I64]
+        lib.kn_linear_bytes.restype = _I64
+        if lib.kn_linear_bytes() != ctypes.sizeof(LinearSpec):
+            raise RuntimeError("quant.LinearSpec does not match kernels.h's kq_linear_t")
         lib._quant_declared = True
     return lib
 
 
-_ISA = ("portable", "avx2", "avx512-vnni", "avx2-vnni")   # the C side's code path numbers
-
-
-def isa(built: KernelLibrary, fmt: str = "q8_0") -> str:
-    """The code path `fmt` runs on in this build."""
-    if fmt in LEGACY:
-        return _ISA[_lib(built).quant_isa()]
-    return _ISA[_lib(built).kq_isa()]
+def isa(built: KernelLibrary) -> str:
+    """The code path every quantized format runs on in this build (portable, avx2, avx2-vnni, avx512-vnni)."""
+    return formats.isa_name(built.lib)
 
 
 def can_keep(fmt: str, k: int) -> bool:
     """Whether a weight of this format with K = k runs on the quantized kernels."""
-    return k % BLOCK_WEIGHTS.get(fmt, QK) == 0 if fmt in FORMATS else False
+    return fmt in FORMATS and k % BLOCK_WEIGHTS[fmt] == 0
 
 
 def repack(built: KernelLibrary, fmt: str, raw: np.ndarray, n: int, k: int,
@@ -181,7 +175,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantWeight:
 def from_gguf_blocks(fmt: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
     """GGUF block bytes (N, K/32 * block size) of Q8_0 / Q4_0 / Q4_1 -> QuantWeight, losslessly."""
     kb = k // QK
-    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    size = formats.FORMATS[fmt].block_bytes
     b = np.ascontiguousarray(raw).reshape(n, kb, size)
     d = b[:, :, 0:2].copy().view(np.float16).reshape(n, kb)
     if fmt == "q8_0":

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* For each of the n rows: logits[rows[i] * stride + t] = -inf for every t < vocab whose bit is clear in
  * masks[i * words ...]. alive[i] = 1 when the row keeps a logit above -inf (0: nothing left to sample). */
 void mask_logits(float *logits, int64_t stride, const int64_t *rows, int64_t n, const int32_t *masks,

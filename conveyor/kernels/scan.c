@@ -10,8 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "half.h"
-#include "pool.h"
+#include "kernels.h"
 
 #define SCAN_CHUNK 65536   /* blocks per work item: large enough that claiming one costs nothing */
 

@@ -20,6 +20,8 @@
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
+
+#include "kernels.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define PAUSE() _mm_pause()

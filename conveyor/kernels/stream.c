@@ -3,7 +3,7 @@
  * decode figure is reported as a share of it. */
 #include <stdint.h>
 
-#include "pool.h"
+#include "kernels.h"
 
 typedef long long v8 __attribute__((vector_size(64)));
 

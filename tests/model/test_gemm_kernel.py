@@ -8,12 +8,12 @@ from torch.nn import functional as F
 
 from conveyor import kernels
 from conveyor.kernels import gemm
-from conveyor.kernels.build import build
+from conveyor.kernels.build import build, builds
 
 NATIVE = kernels.cpu_features()
 # Each narrower feature set this CPU also supports builds its own library, so AVX2 and portable
 # code paths are tested on an AVX-512 machine too.
-VARIANTS = {"native": NATIVE, "avx2": NATIVE & {"avx2", "fma", "f16c"}, "portable": frozenset()}
+VARIANTS = builds(NATIVE, ("native", "avx2", "portable"))
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 
 

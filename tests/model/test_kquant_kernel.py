@@ -11,11 +11,12 @@ import torch
 
 from conveyor import kernels
 from conveyor.kernels import quant
+from conveyor.kernels.build import builds
 
 from gguf_blocks import TYPES, random_blocks
 
 NATIVE = kernels.cpu_features()
-VARIANTS = {"native": NATIVE, "portable": frozenset()}
+VARIANTS = builds(NATIVE)   # native, and each narrower code path this CPU also runs
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 def _library(variant: str) -> kernels.KernelLibrary:
     library = kernels.library_for(frozenset(VARIANTS[variant]))

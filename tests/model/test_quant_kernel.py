@@ -9,14 +9,15 @@ import torch
 
 from conveyor import kernels
 from conveyor.kernels import quant
+from conveyor.kernels.build import AVX2, builds, quant_isa
 
 NATIVE = kernels.cpu_features()
-VARIANTS = {"native": NATIVE, "avx2": NATIVE & {"avx2", "fma", "f16c"}, "portable": frozenset()}
+VARIANTS = builds(NATIVE, ("native", "avx2", "portable"))
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 
 
 def _library(variant: str) -> kernels.KernelLibrary:
-    if variant == "avx2" and not {"avx2", "fma", "f16c"} <= NATIVE:
+    if variant == "avx2" and not AVX2 <= NATIVE:
         pytest.skip("this CPU has no AVX2")
     library = kernels.library_for(frozenset(VARIANTS[variant]))
     assert library is not None
@@ -73,8 +74,7 @@ def test_int8_is_close_to_float() -> None:
     assert err <= w.abs().max() / 127
 
 
-def test_isa_of_native_build() -> None:
-    expected = ("avx512-vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= NATIVE
-                else "avx2" if {"avx2", "fma", "f16c"} <= NATIVE else "portable")
-    assert quant.isa(_library("native")) == expected
+def test_each_build_runs_the_code_path_its_features_select() -> None:
+    for name, features in builds(NATIVE).items():
+        assert quant.isa(kernels.library_for(features)) == quant_isa(features), name
     assert quant.isa(_library("portable")) == "portable"

@@ -18,15 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from conveyor.kernels import KernelLibrary, quant
+from conveyor.kernels import KernelLibrary, formats, quant
 from conveyor.model.gguf.validate import SCANNED_TYPES, check_dequantized, check_finite
 from conveyor.model.quant import PendingQuantLinear, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 
-# GGUF tensor types our kernels run -> their format names in kernels/quant.py.
-KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "IQ4_NL": "iq4_nl",
-                "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs", "Q3_K": "q3_k"}
+# GGUF tensor types our kernels run -> their format names (kernels.h's table).
+KERNEL_TYPES = {t: f.name for t, f in formats.BY_GGUF_TYPE.items()}
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 REQUANTIZED = "q8_0 (requantized)"
 
