@@ -42,7 +42,8 @@ from conveyor.core.step_cost import StepCostModel, StepShape
 from conveyor.errors import InvalidRequest
 
 
-EXPLORE_EVERY = 64   # decodes refused a guess before one is tried anyway
+EXPLORE_EVERY = 32   # decodes refused a guess before one is tried anyway
+CREEP_TARGET = 0.75  # what a refused request's trust creeps towards, at the least
 
 
 class Scheduler(PromptPhase):
@@ -242,9 +243,11 @@ class Scheduler(PromptPhase):
                     expected_tokens += chance
                 want += 1
             if cap > 0 and want == 0:
-                # Refused for a poor record: its trust creeps towards what guesses earn lately, and every
-                # so often one guess is tried anyway, so a draft that starts to agree is found again.
-                request.draft_acceptance += 0.02 * (self.draft_acceptance - request.draft_acceptance)
+                # Refused for a poor record: its trust creeps back (towards what guesses earn lately, or a
+                # hopeful CREEP_TARGET when that is lower), and every so often one guess is tried anyway,
+                # so a request or a draft that starts to agree is found again.
+                target = max(self.draft_acceptance, CREEP_TARGET)
+                request.draft_acceptance += 0.02 * (target - request.draft_acceptance)
                 request.steps_without_drafts += 1
                 if request.steps_without_drafts >= EXPLORE_EVERY:
                     want = 1
