@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = (*DTYPES, "int8")   # int8: 8-bit codes with a float16 scale per token and KV head
-KV_CACHE_DTYPE_ALIASES = {"q8_0": "int8"}   # llama.cpp's spelling (-ctk q8_0)
+KV_CACHE_DTYPES, KV_CACHE_DTYPE_ALIASES = (*DTYPES, "int8"), {"q8_0": "int8"}   # llama.cpp's -ctk q8_0
 # auto: a GGUF file runs in its own formats where kernels exist, anything else as loaded; none: weights
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
@@ -99,8 +98,7 @@ class CacheConfig:
         if self.kv_cache_dtype in KV_CACHE_DTYPE_ALIASES:
             object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES[self.kv_cache_dtype])
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or q8_0), "
-                             f"got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")
 
