@@ -81,11 +81,18 @@ static inline vf load_vh(const uint16_t *p) {
 static inline vf load_vh(const uint16_t *p) { (void)p; return (vf){0}; }
 #endif
 
-/* int8 codes widened as they load (exact: every code is a float). */
+/* int8 codes widened as they load (exact: every code is a float); gcc lowers a generic int8 -> int32
+ * vector conversion to one byte at a time, so x86 spells it out. */
 static inline vf load_vq(const int8_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
     vb b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
 }
 
 static inline vf splat(float x) { return x - (vf){0}; }
@@ -190,10 +197,18 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         } else if (in_place_i8 && n_keys == KC) {
             qkeys = (const int8_t *)j->k_cache + kbase;
             kstride = bs;
-        } else if (kv_fmt == FMT_I8) {
+        } else if (kv_fmt == FMT_I8) {   /* widened once for the tile's passes over its query heads */
+            const int8_t *codes = (const int8_t *)j->k_cache + kbase;
             for (int64_t d = 0; d < D; d++) {
+                if (n_keys == KC) {
+                    for (int u = 0; u < NV; u++) {
+                        const vf x = load_vq(codes + d * bs + u * VW);
+                        memcpy(kbuf[d] + u * VW, &x, sizeof x);
+                    }
+                    continue;
+                }
                 memset(kbuf[d], 0, sizeof kbuf[d]);
-                for (int64_t t = 0; t < n_keys; t++) kbuf[d][t] = ((const int8_t *)j->k_cache)[kbase + d * bs + t];
+                for (int64_t t = 0; t < n_keys; t++) kbuf[d][t] = codes[d * bs + t];
             }
         } else {
             for (int64_t d = 0; d < D; d++) {
@@ -212,7 +227,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
             vstride = KV * D;
         } else if (kv_fmt == FMT_I8) {
             for (int64_t t = 0; t < n_keys; t++)
-                for (int64_t d = 0; d < D; d++) vbuf[t][d] = ((const int8_t *)j->v_cache)[vbase + t * KV * D + d];
+                for (int64_t c = 0; c < DV; c++) {
+                    const vf x = load_vq((const int8_t *)j->v_cache + vbase + t * KV * D + c * VW);
+                    memcpy(vbuf[t] + c * VW, &x, sizeof x);
+                }
         } else {
             for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.config import CacheConfig
+from conveyor.cli.flags import engine_options, parse_args
+from conveyor.config import CacheConfig, EngineConfig
+from conveyor.engine.runtime_builder import build_runtime
 
 pytest.importorskip("gguf")
 
@@ -41,8 +43,18 @@ def float16() -> LLM:
 
 def test_q8_0_is_int8() -> None:
     assert CacheConfig(kv_cache_dtype="q8_0").kv_cache_dtype == "int8"
+    for spelling in ("q8_0", "int8"):
+        options = engine_options(parse_args(["serve", "--kv-cache-dtype", spelling]))
+        assert EngineConfig.from_options(**options).cache.kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="q4_0")
+
+
+@pytest.mark.parametrize("options,where", [(dict(device="cuda", dtype="float16"), "a GPU"),
+                                           (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+def test_where_int8_is_not_yet_it_is_refused_at_start_up(options: dict, where: str) -> None:
+    with pytest.raises(ValueError, match=f"not yet on {where}"):
+        build_runtime(EngineConfig.from_options(kv_cache_dtype="int8", **options))
 
 
 def test_batched_equals_alone(int8: LLM) -> None:
