@@ -13,6 +13,9 @@
     prompts the prefix cache then holds, --rounds rounds alternate between them, so a machine whose load
     changes meanwhile weighs on both alike; the figure is each one's median and the median of the
     per-round ratios;
+(b') the attention kernel alone: one decode step's attention over every layer (--attention-shape: heads,
+    kv heads, head dim, layers; the 0.5B file's by default) for --streams rows of --context-tokens
+    tokens, float16 against int8 codes, alternating, in this process;
 (c) capacity: tokens the KV cache holds per GiB, from the servers' own gauges (conveyor) and from
     ggml's block sizes (llama.cpp: q8_0 keeps 34 bytes per 32 values).
 JSON goes to --out-dir with the command that reproduces it.
@@ -88,6 +91,47 @@ def decode_rate(base_url: str, num_streams: int, context_tokens: int, output_tok
             "window_s": end - start, "chunks_per_stream": [len(r) for r in runs]}
 
 
+def attention_ms(shape: str, rows: int, context: int, threads: int, reps: int = 21) -> dict[str, float]:
+    """Median milliseconds of one decode step's attention over all layers, per KV cache format."""
+    import torch
+
+    from conveyor import kernels
+    from conveyor.model import kv_quant
+    from conveyor.model.attention import RowSpec, attend, build_metadata
+
+    kernels.threads.set_num_threads(threads)
+    heads, kv_heads, head_dim, layers = (int(x) for x in shape.split(","))
+    block_size, per_row = 16, -(-context // 16)
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = rows * per_row
+
+    def int8_layer() -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(-127, 128, (2, num_blocks, kv_quant.block_bytes(block_size, kv_heads, head_dim)),
+                               dtype=torch.int8, generator=gen)
+        k, v = kv_quant.code_views(blocks, block_size, kv_heads, head_dim, True)
+        kv_quant.scales_of(k, True).fill_(0.01)
+        kv_quant.scales_of(v, False).fill_(0.01)
+        return k, v
+
+    caches = {"float16": [(torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=gen).half(),
+                           torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).half())
+                          for _ in range(layers)],
+              "int8": [int8_layer() for _ in range(layers)]}
+    order = torch.randperm(num_blocks, generator=gen).tolist()   # blocks scattered, as a busy cache has them
+    specs = [RowSpec(i, 1, context, order[i * per_row:(i + 1) * per_row]) for i in range(rows)]
+    tile = kernels.attention_tile_size(heads, kv_heads, head_dim, block_size)
+    meta = build_metadata(specs, block_size, None, torch.device("cpu"), tile)
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    for _ in range(reps):
+        for name, layer_caches in caches.items():
+            start = time.perf_counter()
+            for k, v in layer_caches:
+                attend(q, k, v, meta, head_dim ** -0.5, None)
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
 def gauges(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     wanted = ("conveyor:kv_cache_capacity_tokens", "conveyor:kv_cache_memory_bytes")
@@ -111,6 +155,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--attention-shape", default="14,2,64,24", help="heads,kv heads,head dim,layers")
     parser.add_argument("--peers-dir", type=Path, default=Path("/work/peers/llama"))
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
@@ -129,7 +174,7 @@ def main() -> None:
                                                kv_cache_memory=args.kv_cache_memory, extra=["--kv-cache-dtype", kv])
                 commands[f"conveyor {kv}"] = shlex.join(cmd)
                 log = Path(scratch) / f"conveyor-{kv}.log"
-                urls[kv] = stack.enter_context(servers.launched(cmd, port, log)).base_url
+                urls[kv] = stack.enter_context(servers.launched(cmd, port, log, startup_timeout_s=900)).base_url
             for kv in kv_dtypes:
                 capacity = gauges(urls[kv])
                 results[f"conveyor {kv}"] = {
@@ -154,8 +199,11 @@ def main() -> None:
                 cmd = llama.command(port, Path(args.model), parallel=1, ctx_per_slot=4096, threads=args.threads)
                 cmd += ["-fa", "on", "-ctk", kv, "-ctv", kv]
                 commands[f"llama-server {kv}"] = shlex.join(cmd)
-                with servers.launched(cmd, port, Path(scratch) / f"llama-{kv}.log") as server:
+                with servers.launched(cmd, port, Path(scratch) / f"llama-{kv}.log", startup_timeout_s=900) as server:
                     results[f"llama-server {kv}"] = {"texts": chat_texts(server.base_url, prompts, args.agree_tokens)}
+    attention = attention_ms(args.attention_shape, args.streams, args.context_tokens, args.threads)
+    print(f"attention alone, one decode step of {args.streams} rows at {args.context_tokens} tokens: float16 "
+          f"{attention['float16']:.1f} ms, int8 {attention['int8']:.1f} ms", flush=True)
     figures = {"conveyor int8 vs float16": agreement(results["conveyor float16"]["texts"],
                                                      results["conveyor int8"]["texts"])}
     if "llama-server q8_0" in results:
@@ -174,7 +222,7 @@ def main() -> None:
           f"f16 {llama_per_gib['f16']:,.0f}")
     document = {"command": "python -m bench.kv_int8 " + shlex.join(sys.argv[1:]), "servers": commands,
                 "machine": report.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": prompts,
-                "agreement": figures, "decode_speedup_int8_over_float16": speedup,
+                "agreement": figures, "decode_speedup_int8_over_float16": speedup, "attention_ms": attention,
                 "llama_cpp_tokens_per_gib": llama_per_gib, "results": results}
     out = args.out_dir / f"kv-int8-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report.write_json(out, document)
