@@ -151,6 +151,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
      * them once into the buffers instead. */
     const int in_place_f16 = HAVE_LOAD_VH && kv_fmt == FMT_F16 && A_pad <= QU;
     const int in_place_i8 = kv_fmt == FMT_I8 && A_pad <= QU;
+    /* int8 keys convert in one instruction more than they load: a decode row's few passes read them in place. */
+    const int keys_in_place_i8 = kv_fmt == FMT_I8 && nq == 1;
     /* Elements from one block to the next; an int8 block's scales follow its codes. */
     const int64_t bstride = kv_fmt == FMT_I8 ? i8_block_bytes(bs, KV, D) : KV * D * bs;
     vi lane[NV];
@@ -194,7 +196,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         } else if (in_place_f16 && n_keys == KC) {
             hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
-        } else if (in_place_i8 && n_keys == KC) {
+        } else if (keys_in_place_i8 && n_keys == KC) {
             qkeys = (const int8_t *)j->k_cache + kbase;
             kstride = bs;
         } else if (kv_fmt == FMT_I8) {   /* widened once for the tile's passes over its query heads */
