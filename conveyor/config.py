@@ -9,6 +9,7 @@ from typing import Any
 from conveyor.config_values import parse_bytes, positive as _positive
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES, KV_CACHE_DTYPE_ALIASES = (*DTYPES, "int8"), {"q8_0": "int8"}   # llama.cpp's -ctk q8_0
 # auto: a GGUF file runs in its own formats where kernels exist, anything else as loaded; none: weights
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
@@ -53,7 +54,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     enable_prefix_caching: bool = True
     # "auto": float16 where the weights are kept quantized (as llama.cpp keeps its cache), else the
-    # working dtype
+    # working dtype; "int8" (or "q8_0"): about half of float16's bytes per token
     kv_cache_dtype: str = "auto"
     # A second tier of the prefix cache: full blocks are written here and read back, across restarts.
     prefix_cache_dir: str | None = None
@@ -67,8 +68,10 @@ class CacheConfig:
                 raise ValueError(f"prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
             if not self.enable_prefix_caching:
                 raise ValueError("prefix_cache_dir needs enable_prefix_caching: the disk tier is the prefix cache's")
-        if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in KV_CACHE_DTYPE_ALIASES:
+            object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES[self.kv_cache_dtype])
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")
 

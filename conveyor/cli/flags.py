@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 
 from conveyor import __version__
+from conveyor.cli.speculative_flags import add_speculative_flags, speculative_options
 from conveyor.config import (
     BATCH_PRESETS,
     DEFAULT_BATCH_PRESET,
     DTYPES,
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
-    SPECULATIVE_METHODS,
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
@@ -21,7 +22,6 @@ from conveyor.config import (
     ModelConfig,
     ReplicaConfig,
     ServerConfig,
-    SpeculativeConfig,
 )
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's spellings
@@ -77,9 +77,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
-    group.add_argument("--kv-cache-dtype", choices=(*DTYPES, *DTYPE_ALIASES), default=CacheConfig.kv_cache_dtype,
+    group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPES, *DTYPE_ALIASES, *KV_CACHE_DTYPE_ALIASES),
+                       default=CacheConfig.kv_cache_dtype,
                        help="dtype of the KV cache; auto: float16 where the weights are kept quantized (half the "
-                            "bytes attention reads, as llama.cpp's default), else the working dtype")
+                            "bytes attention reads, as llama.cpp's default), else the working dtype; int8 (alias "
+                            "q8_0): 8-bit codes with a scale per token and KV head, ~1.9x float16's tokens in "
+                            "the same memory (CPU)")
     group.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=CacheConfig.enable_prefix_caching,
@@ -95,28 +98,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache-disk-size", default=CacheConfig.prefix_cache_disk_size,
                        help="most bytes of KV blocks in --prefix-cache-dir, e.g. 20G; the least recently used go "
                             f"first (default {CacheConfig.prefix_cache_disk_size})")
-    group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
-                       help="speculative decoding: ngram = guess the next tokens from earlier text of the same "
-                            "request; draft_model = a smaller model guesses them (--speculative-model); the model "
-                            "verifies the guesses in the same step (outputs unchanged; default: off)")
-    group.add_argument("--num-speculative-tokens", type=int, default=None,
-                       help=f"most guessed tokens per decode (default {SpeculativeConfig.num_speculative_tokens})")
-    group.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
-                       help=f"shortest tail of the context looked up for a guess "
-                            f"(default {SpeculativeConfig.ngram_prompt_lookup_min})")
-    group.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
-                       help=f"longest tail looked up, tried first (default {SpeculativeConfig.ngram_prompt_lookup_max})")
-    group.add_argument("--speculative-model", "--model-draft", default=None, metavar="PATH",
-                       help="a draft model (GGUF file or folder) with the same vocabulary as --model: it guesses "
-                            "the next tokens and the model verifies them in one step (outputs unchanged; implies "
-                            "--speculative draft_model)")
-    group.add_argument("--speculative-model-quantization", choices=QUANTIZATIONS, default=None,
-                       help="the draft model's weights, as --quantization for the model "
-                            f"(default {SpeculativeConfig.speculative_model_quantization})")
-    group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='vLLM\'s spelling of the flags above, e.g. \'{"method": "ngram", '
-                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or '
-                            '\'{"model": "draft.gguf", "num_speculative_tokens": 5}\'')
+    add_speculative_flags(group)
     group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
                        help="a tenant's share of the batch relative to others (default 1), repeatable; the tenant "
                             "is a request's X-Tenant header or OpenAI user field")
@@ -192,39 +174,6 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tenant_weights": tenant_weights(args.tenant_weight),
         **_given(args, "max_running_per_tenant", "max_priority_preemptions"),
     }
-
-
-# vLLM's --speculative-config keys -> ours.
-_SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
-                            "prompt_lookup_min": "ngram_prompt_lookup_min",
-                            "prompt_lookup_max": "ngram_prompt_lookup_max", "model": "speculative_model",
-                            "quantization": "speculative_model_quantization"}
-_SPECULATIVE_FLAGS = ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
-                      "speculative_model", "speculative_model_quantization")
-
-
-def speculative_options(args: argparse.Namespace) -> dict:
-    """The speculative flags, or their --speculative-config JSON (not both)."""
-    flags = {"speculative": args.speculative, **_given(args, *_SPECULATIVE_FLAGS)}
-    if args.speculative_config is None:
-        return flags
-    if args.speculative is not None or len(flags) > 1:
-        raise SystemExit("conveyor: error: give --speculative-config or the separate speculative flags, not both")
-    try:
-        config = json.loads(args.speculative_config)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"conveyor: error: --speculative-config is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise SystemExit("conveyor: error: --speculative-config takes a JSON object")
-    unknown = sorted(set(config) - set(_SPECULATIVE_CONFIG_KEYS))
-    if unknown:
-        raise SystemExit(f"conveyor: error: --speculative-config: unsupported key(s) {', '.join(unknown)} "
-                         f"(supported: {', '.join(_SPECULATIVE_CONFIG_KEYS)})")
-    method = config.get("method", "draft_model" if "model" in config else None)
-    if method not in SPECULATIVE_METHODS:
-        raise SystemExit(f"conveyor: error: --speculative-config: method must be one of "
-                         f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-    return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in {**config, "method": method}.items()}
 
 
 def tenant_weights(flags: list[str]) -> tuple[tuple[str, float], ...]:

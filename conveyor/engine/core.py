@@ -107,6 +107,8 @@ class EngineCore:
                              num_kv_blocks=num_blocks, block_size=cache_cfg.block_size,
                              startup_s=time.perf_counter() - started, num_threads=num_threads,
                              scheduler=config.scheduler, dtype=str(self.dtype).removeprefix("torch."),
+                             kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
+                             kv_cache_bytes=self.kv_cache.tensor.nbytes,
                              enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
                              prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "",
                              weights=getattr(self.model, "weight_formats", None) or self.quantization

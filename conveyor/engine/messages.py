@@ -89,6 +89,8 @@ class CoreInfo:
     num_threads: int = 1             # torch intra-op threads the core computes with
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # in force, preset and flags applied
     dtype: str = "float32"           # the working dtype the core chose
+    kv_cache_dtype: str = "float32"  # the KV cache's: float32, bfloat16, float16 or int8
+    kv_cache_bytes: int = 0          # the KV cache's memory, scales included
     weights: str = ""                # the weights' formats as they run ("Q4_K x12, Q8_0 x13", or the dtype)
     enable_prefix_caching: bool = True
     model_path: str = ""             # resolved: the front's grammar cache is keyed on it, as the core's is

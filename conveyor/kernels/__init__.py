@@ -80,7 +80,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q, out: (T, H, D) float32 or bfloat16, each token's heads contiguous (q may be a strided view into
     a fused qkv buffer); k_cache (num_blocks, KV, D, block_size) (keys transposed per block), v_cache
-    (num_blocks, block_size, KV, D), both float32, bfloat16 or float16; block_tables (R, NB);
+    (num_blocks, block_size, KV, D), both float32, bfloat16 or float16, or int8 code views with their
+    scales in the blocks (model/kv_quant.py); block_tables (R, NB);
     query i is token tokens[i] of row rows[i] and sees context_lens[i] keys. All index tensors int64.
     Returns `out`. The ctypes call releases the GIL.
     """

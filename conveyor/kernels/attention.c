@@ -10,7 +10,10 @@
  *
  * q:          query i's heads at q + tokens[i] * ldq, [H, D] contiguous   (float32 or bfloat16)
  * k_cache:    [num_blocks, KV, D, bs] (keys transposed in each block: 16 keys' d-th values load as one
- *             vector), v_cache [num_blocks, bs, KV, D], both float32, bfloat16 or float16 (kv_fmt)
+ *             vector), v_cache [num_blocks, bs, KV, D], both float32, bfloat16 or float16 (kv_fmt), or
+ *             int8 codes with a float16 scale per (token, kv head) after each block's codes ([KV, bs] for
+ *             keys, [bs, KV] for values; blocks i8_block_bytes apart): a key's scale multiplies its score,
+ *             a value's its softmax weight, so the codes are read as they lie
  * tables:     [rows, max_blocks] int64 block ids;  rows[i]: query i's row in tables
  * ctx_lens:   [n] int64 keys visible to query i (its position + 1)
  * tile_start: [tiles + 1] int64: tile j holds queries tile_start[j] .. tile_start[j + 1] - 1
@@ -22,6 +25,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "kernels.h"
 #include "pool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -52,6 +56,7 @@ typedef struct {
 #endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int8_t vb __attribute__((vector_size(VW)));
 #define KC 16            /* keys per chunk */
 #define NV (KC / VW)     /* vectors per chunk of keys */
 #define QU 4             /* queries whose score sums run interleaved (independent chains) */
@@ -76,6 +81,20 @@ static inline vf load_vh(const uint16_t *p) {
 #define HAVE_LOAD_VH 0
 static inline vf load_vh(const uint16_t *p) { (void)p; return (vf){0}; }
 #endif
+
+/* int8 codes widened as they load (exact: every code is a float); gcc lowers a generic int8 -> int32
+ * vector conversion to one byte at a time, so x86 spells it out. */
+static inline vf load_vq(const int8_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
 
 static inline vf splat(float x) { return x - (vf){0}; }
 
@@ -132,6 +151,11 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
      * reads them (decode rows); a prompt chunk's tile reads them once per QU heads, so it widens
      * them once into the buffers instead. */
     const int in_place_f16 = HAVE_LOAD_VH && kv_fmt == FMT_F16 && A_pad <= QU;
+    const int in_place_i8 = kv_fmt == FMT_I8 && A_pad <= QU;
+    /* int8 keys convert in one instruction more than they load: a decode row's few passes read them in place. */
+    const int keys_in_place_i8 = kv_fmt == FMT_I8 && nq == 1;
+    /* Elements from one block to the next; an int8 block's scales follow its codes. */
+    const int64_t bstride = kv_fmt == FMT_I8 ? i8_block_bytes(bs, KV, D) : KV * D * bs;
     vi lane[NV];
     for (int u = 0; u < NV; u++)
         for (int k = 0; k < VW; k++) lane[u][k] = u * VW + k;
@@ -141,27 +165,54 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         /* The chunk's keys (lanes = keys) and values. float32 ones are read where they lie, except the
          * keys of a partial chunk, copied so that the lanes past n_keys are zeros, not whatever follows
          * in the block; 16-bit ones are widened once for the tile. */
-        const int64_t kbase = (block * KV + kv) * D * bs + off, vbase = (block * bs * KV + kv) * D + off * KV * D;
+        const int64_t kbase = block * bstride + kv * D * bs + off, vbase = block * bstride + kv * D + off * KV * D;
         /* The next chunk is another block, somewhere else: start fetching it, into L2 (prefetcht1).
          * Prefetches into L1 each hold one of its few miss buffers, so a core had ~24 lines in flight:
          * decode attention read the cache at 14 GB/s on Zen 4; into L2, 22-27 GB/s. */
         if (c0 + chunk < hi_all) {
             const int64_t nb = table[(c0 + chunk) / bs], noff = (c0 + chunk) % bs, E = fmt_size(kv_fmt);
-            const char *nk = (const char *)j->k_cache + ((nb * KV + kv) * D * bs + noff) * E;
-            const char *nv = (const char *)j->v_cache + ((nb * bs * KV + kv) * D + noff * KV * D) * E;
+            const char *nk = (const char *)j->k_cache + (nb * bstride + kv * D * bs + noff) * E;
+            const char *nv = (const char *)j->v_cache + (nb * bstride + kv * D + noff * KV * D) * E;
             for (int64_t d = 0; d < D; d++) __builtin_prefetch(nk + d * bs * E, 0, 2);
             for (int64_t t = 0; t < chunk; t++)
                 for (int64_t b = 0; b < D * E; b += 64) __builtin_prefetch(nv + t * KV * D * E + b, 0, 2);
         }
         const float *keys = &kbuf[0][0], *vals = &vbuf[0][0];
         const uint16_t *hkeys = 0, *hvals = 0;   /* float16 read in place */
+        const int8_t *qkeys = 0, *qvals = 0;     /* int8 read in place */
         int64_t kstride = KC, vstride = MAX_D;
+        /* int8: each key's scale times the softmax scale, each value's scale; 0 past n_keys. */
+        float kscale[KC], vscale[KC];
+        if (kv_fmt == FMT_I8) {
+            const uint16_t *ks = (const uint16_t *)((const int8_t *)j->k_cache + block * bstride + KV * D * bs);
+            const uint16_t *vs = (const uint16_t *)((const int8_t *)j->v_cache + block * bstride + KV * D * bs);
+            for (int64_t t = 0; t < KC; t++) {
+                kscale[t] = t < n_keys ? f16_to_f32(ks[kv * bs + off + t]) * j->scale : 0.f;
+                vscale[t] = t < n_keys ? f16_to_f32(vs[(off + t) * KV + kv]) : 0.f;
+            }
+        }
         if (kv_fmt == FMT_F32 && n_keys == KC) {
             keys = (const float *)j->k_cache + kbase;
             kstride = bs;
         } else if (in_place_f16 && n_keys == KC) {
             hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
+        } else if (keys_in_place_i8 && n_keys == KC) {
+            qkeys = (const int8_t *)j->k_cache + kbase;
+            kstride = bs;
+        } else if (kv_fmt == FMT_I8) {   /* widened once for the tile's passes over its query heads */
+            const int8_t *codes = (const int8_t *)j->k_cache + kbase;
+            for (int64_t d = 0; d < D; d++) {
+                if (n_keys == KC) {
+                    for (int u = 0; u < NV; u++) {
+                        const vf x = load_vq(codes + d * bs + u * VW);
+                        memcpy(kbuf[d] + u * VW, &x, sizeof x);
+                    }
+                    continue;
+                }
+                memset(kbuf[d], 0, sizeof kbuf[d]);
+                for (int64_t t = 0; t < n_keys; t++) kbuf[d][t] = codes[d * bs + t];
+            }
         } else {
             for (int64_t d = 0; d < D; d++) {
                 memset(kbuf[d], 0, sizeof kbuf[d]);
@@ -174,6 +225,15 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         } else if (in_place_f16) {
             hvals = (const uint16_t *)j->v_cache + vbase;
             vstride = KV * D;
+        } else if (in_place_i8) {
+            qvals = (const int8_t *)j->v_cache + vbase;
+            vstride = KV * D;
+        } else if (kv_fmt == FMT_I8) {
+            for (int64_t t = 0; t < n_keys; t++)
+                for (int64_t c = 0; c < DV; c++) {
+                    const vf x = load_vq((const int8_t *)j->v_cache + vbase + t * KV * D + c * VW);
+                    memcpy(vbuf[t] + c * VW, &x, sizeof x);
+                }
         } else {
             for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }
@@ -188,7 +248,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                 vf kd[NV];
 #pragma GCC unroll 4
                 for (int u = 0; u < NV; u++)
-                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
+                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW)
+                            : qkeys ? load_vq(qkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
 #pragma GCC unroll 4
                 for (int r = 0; r < QU; r++) {
                     const vf x = splat(q[a0 + r][d]);
@@ -196,10 +257,16 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                     for (int u = 0; u < NV; u++) s[r][u] += x * kd[u];
                 }
             }
+            if (kv_fmt == FMT_I8)
 #pragma GCC unroll 4
-            for (int r = 0; r < QU; r++)
+                for (int r = 0; r < QU; r++)
 #pragma GCC unroll 4
-                for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
+                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * load_v(kscale + u * VW);
+            else
+#pragma GCC unroll 4
+                for (int r = 0; r < QU; r++)
+#pragma GCC unroll 4
+                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
         }
         /* Online softmax over the keys of this chunk each query sees, then its weighted values. */
         for (int64_t i = 0; i < nq; i++) {
@@ -223,6 +290,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                 for (int k = 0; k < KC; k++) sum += e[k];
                 l[a] = l[a] * correction + sum;
                 m[a] = bmax;
+                if (kv_fmt == FMT_I8)   /* the values' scales, folded into their weights once summed */
+                    for (int k = 0; k < KC; k++) e[k] *= vscale[k];
                 /* Four output vectors at a time stay in registers while the keys' values stream past. */
                 int64_t c = 0;
                 for (; c + 4 <= DV; c += 4) {
@@ -235,6 +304,13 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                             const uint16_t *vt = hvals + t * vstride + c * VW;
 #pragma GCC unroll 4
                             for (int u = 0; u < 4; u++) o[u] += w * load_vh(vt + u * VW);
+                        }
+                    else if (qvals)
+                        for (int64_t t = lo; t < hi; t++) {
+                            const vf w = splat(e[t]);
+                            const int8_t *vt = qvals + t * vstride + c * VW;
+#pragma GCC unroll 4
+                            for (int u = 0; u < 4; u++) o[u] += w * load_vq(vt + u * VW);
                         }
                     else
                         for (int64_t t = lo; t < hi; t++) {
@@ -249,7 +325,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                 for (; c < DV; c++) {
                     vf o = acc[a][c] * correction;
                     for (int64_t t = lo; t < hi; t++)
-                        o += e[t] * (hvals ? load_vh(hvals + t * vstride + c * VW) : load_v(vals + t * vstride + c * VW));
+                        o += e[t] * (hvals ? load_vh(hvals + t * vstride + c * VW)
+                                     : qvals ? load_vq(qvals + t * vstride + c * VW) : load_v(vals + t * vstride + c * VW));
                     acc[a][c] = o;
                 }
             }
@@ -276,6 +353,7 @@ static void attention_item(void *arg, int64_t item) {
     /* A constant format per call: the float32 one keeps its in-place reads free of format tests. */
     if (job->kv_fmt == FMT_F32) run_item(job, item / job->KV, item % job->KV, FMT_F32);
     else if (job->kv_fmt == FMT_F16) run_item(job, item / job->KV, item % job->KV, FMT_F16);
+    else if (job->kv_fmt == FMT_I8) run_item(job, item / job->KV, item % job->KV, FMT_I8);
     else run_item(job, item / job->KV, item % job->KV, FMT_BF16);
 }
 
@@ -286,7 +364,7 @@ int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void 
                     int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int act_fmt,
                     int kv_fmt) {
     const int64_t qt = attention_tile_size(H, KV, D, bs);
-    if (qt == 0 || (act_fmt != FMT_F32 && act_fmt != FMT_BF16) || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
+    if (qt == 0 || (act_fmt != FMT_F32 && act_fmt != FMT_BF16) || kv_fmt < FMT_F32 || kv_fmt > FMT_I8) return -1;
     for (int64_t t = 0; t < tiles; t++)
         if (tile_start[t + 1] - tile_start[t] > qt || tile_start[t + 1] <= tile_start[t]) return -1;
     job_t job = {q, k_cache, v_cache, tables, rows, ctx_lens, tokens, tile_start, ldq, ldo, max_blocks,

@@ -22,7 +22,7 @@ class LayerParams(ctypes.Structure):
                [("act", _I64), ("local_rope", _I64), ("rope_dim", _I64)]
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # half.h's element formats
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}   # half.h's element formats
 
 
 class StepParams(ctypes.Structure):

@@ -1,6 +1,7 @@
 /* Rows of 16-bit floats widened to float32 and narrowed back: bfloat16 (activations, KV cache) and
  * IEEE half (the KV cache, as llama.cpp keeps it). Narrowing rounds to nearest even in both.
- * Element formats: 0 float32, 1 bfloat16, 2 float16. */
+ * Element formats: 0 float32, 1 bfloat16, 2 float16, 3 int8 (the 8-bit KV cache: codes with a float16
+ * scale per token and KV head, laid out as model/kv_quant.py describes). */
 #ifndef CONVEYOR_HALF_H
 #define CONVEYOR_HALF_H
 
@@ -10,9 +11,9 @@
 #include <immintrin.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3 };
 
-static inline int64_t fmt_size(int fmt) { return fmt == FMT_F32 ? 4 : 2; }
+static inline int64_t fmt_size(int fmt) { return fmt == FMT_F32 ? 4 : fmt == FMT_I8 ? 1 : 2; }
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -112,6 +113,29 @@ static inline void store_fmt(void *base, int64_t offset, const float *src, int64
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+
+/* Bytes of one layer's int8 K (or V) block: bs * KV * D codes, then bs * KV float16 scales, padded to 16. */
+static inline int64_t i8_block_bytes(int64_t bs, int64_t KV, int64_t D) {
+    return (bs * KV * D + 2 * bs * KV + 15) / 16 * 16;
+}
+
+/* One vector's int8 codes: scale = absmax / 127 in float16, code = x / scale rounded to nearest even
+ * (model/kv_quant.py's quantize does the same arithmetic). Returns the scale's float16 bits. */
+static inline uint16_t quantize_i8(const float *x, int64_t n, int8_t *codes) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i] < 0.f ? -x[i] : x[i];
+        amax = a > amax ? a : amax;
+    }
+    const uint16_t h = f32_to_f16(amax / 127.f);
+    const float s = f16_to_f32(h);
+    for (int64_t i = 0; i < n; i++) {
+        float c = s > 0.f ? __builtin_rintf(x[i] / s) : 0.f;
+        c = c > 127.f ? 127.f : c < -127.f ? -127.f : c;
+        codes[i] = (int8_t)c;
+    }
+    return h;
 }
 
 static inline void store_one(void *base, int64_t i, float f, int fmt) {

@@ -73,7 +73,8 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
  * float32, sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin. q_norm, k_norm: per-head
  * RMSNorm weights applied before the rotation (NULL: none; Gemma's order: normalise and scale in
  * float32, round once). Caches in the activations' dtype, slot = block * bs + offset: keys
- * [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values [blocks, bs, Hkv, D]. */
+ * [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values [blocks, bs, Hkv, D]; an int8
+ * cache gets each head's vector quantized alone, codes and scale (half.h's quantize_i8). */
 typedef struct {
     void *qkv, *k_cache, *v_cache;
     const float *cos, *sin;
@@ -83,6 +84,24 @@ typedef struct {
     float eps;
     int is_bf16, kv_fmt;
 } rope_job;
+
+/* One head's key (transposed: codes [Hkv, D, bs], scales [Hkv, bs]) or value (codes [bs, Hkv, D], scales
+ * [bs, Hkv]) vector x into an int8 cache block (half.h's i8_block_bytes apart), quantized alone. */
+static void store_i8(void *cache, const float *x, int64_t slot, int64_t h, int64_t Hkv, int64_t D, int64_t bs,
+                     int transposed) {
+    int8_t codes[MAX_D];
+    const uint16_t scale = quantize_i8(x, D, codes);
+    int8_t *block = (int8_t *)cache + (slot / bs) * i8_block_bytes(bs, Hkv, D);
+    uint16_t *scales = (uint16_t *)(block + bs * Hkv * D);
+    const int64_t off = slot % bs;
+    if (transposed) {
+        for (int64_t d = 0; d < D; d++) block[(h * D + d) * bs + off] = codes[d];
+        scales[h * bs + off] = scale;
+    } else {
+        memcpy(block + (off * Hkv + h) * D, codes, D);
+        scales[off * Hkv + h] = scale;
+    }
+}
 
 static void rope_item(void *arg, int64_t t) {
     const rope_job *j = arg;
@@ -108,25 +127,29 @@ static void rope_item(void *arg, int64_t t) {
         float y[MAX_D];
         for (int64_t d = 0; d < R; d++) y[d] = x[d] * c[d] + x[d < half ? d + half : d - half] * s[d];
         for (int64_t d = R; d < D; d++) y[d] = x[d];
+        const int to_i8 = h >= Hq && j->kv_fmt == FMT_I8;
         for (int64_t d = 0; d < D; d++) {
             store(qkv, base + d, y[d], is_bf16);
-            if (h >= Hq)   /* what q's dtype holds, then narrowed to the cache's */
+            if (to_i8) y[d] = is_bf16 ? round_bf16(y[d]) : y[d];
+            else if (h >= Hq)   /* what q's dtype holds, then narrowed to the cache's */
                 store_one(k_cache, (((slot / bs) * Hkv + (h - Hq)) * D + d) * bs + slot % bs,
                           is_bf16 ? round_bf16(y[d]) : y[d], j->kv_fmt);
         }
+        if (to_i8) store_i8(k_cache, y, slot, h - Hq, Hkv, D, bs, 1);
     }
     for (int64_t h = 0; h < Hkv; h++) {
         const int64_t src = row + (heads + h) * D, dst = (slot * Hkv + h) * D;
         float v[MAX_D];
         load_fmt(v, qkv, src, D, is_bf16 ? FMT_BF16 : FMT_F32);
-        store_fmt(v_cache, dst, v, D, j->kv_fmt);
+        if (j->kv_fmt == FMT_I8) store_i8(v_cache, v, slot, h, Hkv, D, bs, 0);
+        else store_fmt(v_cache, dst, v, D, j->kv_fmt);
     }
 }
 
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
                const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads) {
-    if (D > MAX_D || R > D || R < 2 || R % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
+    if (D > MAX_D || R > D || R < 2 || R % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_I8) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
     rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps, is_bf16,
                     kv_fmt};

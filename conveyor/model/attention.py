@@ -20,6 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from conveyor import kernels
+from conveyor.model import kv_quant
 
 
 @dataclass(slots=True)
@@ -145,14 +146,40 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> None:
     """Store this step's keys and values, (T, KV, D) each, at their slots of the caches. For the C
-    kernel the keys are transposed, (num_blocks, KV, D, block_size): written through a permuted view."""
+    kernel the keys are transposed, (num_blocks, KV, D, block_size): written through a permuted view.
+    An int8 cache (code views) gets each token's codes and its scale per head (kv_quant.py)."""
     _, block_size, num_kv_heads, head_dim = v_cache.shape
+    if k_cache.dtype == torch.int8:
+        _write_int8(k, v, k_cache, v_cache, meta)
+        return
     if meta.kernel is not None:
         blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
         k_cache.permute(0, 3, 1, 2)[blocks, offsets] = k.to(k_cache.dtype)
     else:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+
+def _write_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> None:
+    block_size = v_cache.shape[1]
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    transposed = meta.kernel is not None
+    for x, cache, is_key in ((k, k_cache, True), (v, v_cache, False)):
+        codes, scales = kv_quant.quantize(x)                                   # (T, KV, D), (T, KV)
+        if is_key and transposed:
+            cache.permute(0, 3, 1, 2)[blocks, offsets] = codes
+            kv_quant.scales_of(cache, True).permute(0, 2, 1)[blocks, offsets] = scales
+        else:
+            cache[blocks, offsets] = codes
+            kv_quant.scales_of(cache, False)[blocks, offsets] = scales
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, NB, bs, KV, D) of the rows' blocks as `dtype`: an int8 cache dequantized."""
+    if cache.dtype != torch.int8:
+        return cache[tables].to(dtype)
+    return kv_quant.dequantize(cache[tables], kv_quant.scales_of(cache, False)[tables], dtype)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -172,8 +199,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size
         qg = q[group.query_index].transpose(1, 2)                                 # (B, H, Lq, D)
-        kg = k_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim).to(q.dtype)
-        vg = v_cache[group.block_tables].view(rows, num_keys, num_kv_heads, head_dim).to(q.dtype)
+        kg = _gather(k_cache, group.block_tables, q.dtype).view(rows, num_keys, num_kv_heads, head_dim)
+        vg = _gather(v_cache, group.block_tables, q.dtype).view(rows, num_keys, num_kv_heads, head_dim)
         mask = group.window_mask if window is not None and group.window_mask is not None else group.mask
         og = F.scaled_dot_product_attention(
             qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, scale=scale,

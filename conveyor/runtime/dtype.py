@@ -7,6 +7,7 @@ import torch
 from conveyor.kernels import KernelLibrary
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}   # int8: codes with per-token scales (model/kv_quant.py)
 
 
 def choose_dtype(name: str, device: torch.device, library: KernelLibrary | None,
@@ -38,7 +39,7 @@ def choose_kv_dtype(name: str, dtype: torch.dtype, quantized: bool) -> tuple[tor
     model's own numbers are already rounded far more coarsely than float16 rounds them (llama.cpp's
     default too). Otherwise the working dtype."""
     if name != "auto":
-        return DTYPES[name], "as requested"
+        return KV_DTYPES[name], "as requested"
     if quantized:
         return torch.float16, "auto: beside quantized weights"
     return dtype, "auto: the working dtype"

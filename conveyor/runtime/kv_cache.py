@@ -7,6 +7,7 @@ import mmap
 
 import torch
 
+from conveyor.model import kv_quant
 from conveyor.model.llama import ModelArch
 
 
@@ -18,21 +19,35 @@ class KVCache:
     slot = block_id * block_size + offset; the block manager decides which blocks a request owns.
     With `spare_block`, one block more than `num_blocks` is allocated (id `num_blocks`), which no request
     ever owns: padding rows of a CUDA graph write there.
+
+    An int8 cache (kv_quant.py) is one int8 tensor (num_layers, 2, blocks, block_bytes) whose blocks hold
+    codes and their scales; `layers` then hold the code views, which the attention finds the scales beside.
+    Either way `tensor[:, :, block_id]` is all of one block, which is what moves to disk and back.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", transposed_keys: bool = False, spare_block: bool = False) -> None:
         allocated = num_blocks + spare_block
-        shape = (arch.num_layers, 2, allocated, block_size, arch.num_kv_heads, arch.head_dim)
-        self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks, self.block_size, self.transposed_keys = num_blocks, block_size, transposed_keys
         self.spare_block: int | None = num_blocks if spare_block else None
+        self.dtype = dtype
+        if dtype == torch.int8:
+            nbytes = kv_quant.block_bytes(block_size, arch.num_kv_heads, arch.head_dim)
+            self.tensor = _zeros((arch.num_layers, 2, allocated, nbytes), dtype, torch.device(device))
+            self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+                kv_quant.code_views(self.tensor[i], block_size, arch.num_kv_heads, arch.head_dim, transposed_keys)
+                for i in range(arch.num_layers)]
+            return
+        shape = (arch.num_layers, 2, allocated, block_size, arch.num_kv_heads, arch.head_dim)
+        self.tensor = _zeros(shape, dtype, torch.device(device))
         k_shape = (allocated, arch.num_kv_heads, arch.head_dim, block_size) if transposed_keys else shape[2:]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.tensor[i, 0].view(k_shape), self.tensor[i, 1]) for i in range(arch.num_layers)]
+        self.layers = [(self.tensor[i, 0].view(k_shape), self.tensor[i, 1]) for i in range(arch.num_layers)]
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+        """Every layer's K and V of one block, scales included."""
+        if dtype == torch.int8:
+            return arch.num_layers * 2 * kv_quant.block_bytes(block_size, arch.num_kv_heads, arch.head_dim)
         return arch.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
     @classmethod

@@ -1,6 +1,7 @@
 """KVDiskStore: full KV blocks as files in a folder, found by the prefix cache's chained block hash.
 
     ROOT/<fingerprint>/<block hash>.kv       one block: header + raw KV bytes, (L, 2, block_size, H, D)
+                                             (int8: (L, 2, block bytes), codes and scales; kv_quant.py)
     ROOT/<fingerprint>/named/<name>.json     a named prompt (named_prompts.py): its blocks are kept
 
 A file is input (STYLE.md section 11): it is used only when it is a plain file of this user's that

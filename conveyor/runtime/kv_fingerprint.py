@@ -2,7 +2,8 @@
 
 A block read back is used as if this engine had computed it, so its fingerprint covers the model
 file's contents (a sha256 over every byte: a swapped file of the same name, size and mtime is
-another model), the working and KV dtypes, the quantization, the C kernels' instruction set (their
+another model), the working and KV dtypes (an int8 block, with its scales, is a miss for a float16
+server and the other way round), the quantization, the C kernels' instruction set (their
 rounding differs), the device, the block layout and the model's KV shape.
 """
 
@@ -22,7 +23,7 @@ from conveyor.private_cache import private_dir, read_private_file, write_atomica
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1   # of the block file and of the KV bytes in it; raise it when either changes
+LAYOUT_VERSION = 2   # of the block file and of the KV bytes in it (2: int8 blocks carry their scales)
 
 
 def model_digest(model_path: Path, memo_root: Path) -> str:

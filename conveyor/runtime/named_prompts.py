@@ -2,7 +2,7 @@
 
     FOLDER/named/<name>.json    {"version": 1, "token_ids": [...], "blocks": ["<hash>.kv", ...]}
 
-llama-server's `/slots/{id}?action=save|restore|erase` maps here (server/slots.py). Saving names the
+llama-server's `/slots/{id}?action=save|restore|erase` maps here (server/prompt_cache/slots.py). Saving names the
 leading blocks of a prompt that are on disk (the disk tier writes every cached block) and keeps them
 from the size bound's trimming; restoring reads the name back and checks its blocks are still there,
 so the next prompt that starts with those tokens reads them from disk instead of computing them.
@@ -30,11 +30,11 @@ def block_file_name(block_hash: bytes) -> str:
     return f"{block_hash.hex()}{BLOCK_SUFFIX}"
 
 
-def check_name(name: object) -> str:
+def check_name(name: object, param: str = "filename") -> str:
     """A name usable as one file name: letters, digits, '_', '-', '.', not leading, no '..'; else a 400."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise InvalidRequest("filename must be 1 to 128 letters, digits, '_', '-' or '.', with no path separator, "
-                             "no leading '.' and no '..'", param="filename")
+        raise InvalidRequest(f"{param} must be 1 to 128 letters, digits, '_', '-' or '.', with no path separator, "
+                             "no leading '.' and no '..'", param=param)
     return name
 
 

@@ -125,7 +125,7 @@ class DiskPrefixTier:
             block_id = blocks.adopt(block_hash)
             if block_id is None:
                 break
-            dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D)
+            dest = self.kv_cache.tensor[:, :, block_id]    # (L, 2, block_size, H, D); int8: (L, 2, block bytes)
             dest.copy_(payload.view(dest.dtype).view(dest.shape))
 
     def _read_loop(self) -> None:

@@ -64,6 +64,9 @@ def build_runtime(config: EngineConfig) -> Runtime:
     kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
     logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), why)
     tp = config.model.tensor_parallel_size
+    if kv_dtype == torch.int8 and (device.type != "cpu" or tp > 1):
+        raise ValueError("kv_cache_dtype int8 runs on the CPU in one process for now: not yet on "
+                         f"{'a GPU' if device.type != 'cpu' else 'tensor_parallel_size > 1'}")
     comm, workers = None, []
     # The model phase: the loader logs it with its seconds.
     if tp > 1:   # the ranks share the cores: more threads each would spin on them

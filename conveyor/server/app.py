@@ -42,7 +42,7 @@ from conveyor.server.responses import (
     ModelCard,
     ModelList,
 )
-from conveyor.server.slots import add_slot_routes
+from conveyor.server.prompt_cache.slots import add_slot_routes
 from conveyor.server.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,

@@ -23,6 +23,8 @@ from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.prompt_cache import cache_keys
+from conveyor.server.prompt_cache.cache_keys import CacheKey
 from conveyor.server.logprob_format import LogprobFormatter
 from conveyor.server.http.off_loop import THREAD_TOKENIZE_CHARS, encode_all, respond_off_loop
 from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget, tenant_of
@@ -50,7 +52,7 @@ class Serving(Protocol):
     def check_prompt_chars(self, num_chars: int, param: str) -> None: ...
     async def compile_grammar(self, params: SamplingParams, param: str, request: Request) -> bool: ...
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               tenant: str, request: Request) -> PromptGroup: ...
+               tenant: str, request: Request, cache: CacheKey | None = None) -> PromptGroup: ...
     async def _collect(self, request: Request, group: PromptGroup) -> list[Choice]: ...
     @staticmethod
     def _usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo: ...
@@ -92,7 +94,8 @@ async def serve_completions(serving: Serving, body: CompletionRequest, request: 
         prompts = [truncate_prompt(p, params, max_model_len) for p in prompts]
         texts = prompts   # the echoed prompt is what ran
     check_logprobs_budget(params, prompts, max_model_len, "logprobs")
-    group = serving._start("cmpl", prompts, params, body.priority, tenant, request)
+    cache = await cache_keys.prepare(body, serving.engine, prompts)
+    group = serving._start("cmpl", prompts, params, body.priority, tenant, request, cache)
     echoed = [_echo_text(serving, t) for t in texts] if body.echo else None
     created = int(time.time())
     if body.stream:

@@ -58,6 +58,8 @@ CONVEYOR_METRIC_NAMES = (
     "conveyor:batch_config_info",
     "conveyor:prefix_cache_disk_read_bytes_total",
     "conveyor:prefix_cache_disk_written_bytes_total",
+    "conveyor:kv_cache_capacity_tokens",
+    "conveyor:kv_cache_memory_bytes",
 )
 METRIC_NAMES = VLLM_METRIC_NAMES + CONVEYOR_METRIC_NAMES
 

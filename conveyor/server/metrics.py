@@ -164,8 +164,12 @@ class ServerMetrics:
         info = engine.info
         Gauge("vllm:cache_config_info", "KV cache settings, as labels of a constant 1.",
               labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
-              registry=r).labels(model_name, str(info.block_size), str(info.num_kv_blocks), info.dtype,
+              registry=r).labels(model_name, str(info.block_size), str(info.num_kv_blocks), info.kv_cache_dtype,
                                  str(info.enable_prefix_caching)).set(1)
+        Gauge("conveyor:kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).", labels,
+              registry=r).labels(model_name).set(info.num_kv_blocks * info.block_size)
+        Gauge("conveyor:kv_cache_memory_bytes", "Bytes of the KV cache, an int8 cache's scales included.", labels,
+              registry=r).labels(model_name).set(info.kv_cache_bytes)
 
     # ------------------------------------------------------------ event loop
 

@@ -24,7 +24,9 @@ from conveyor.front.admission import truncate_prompt
 from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import ConveyorError, InvalidRequest, ModelNotFound, PromptTooLong
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.prompt_cache import cache_keys
 from conveyor.server.batch.api import is_batch_request
+from conveyor.server.prompt_cache.cache_keys import CacheKey
 from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
 from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
 from conveyor.server.grammar_gate import GrammarGate
@@ -128,14 +130,17 @@ class OpenAIServing:
         return True
 
     def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-               tenant: str, request: Request) -> PromptGroup:
+               tenant: str, request: Request, cache: CacheKey | None = None) -> PromptGroup:
         """Refuse now whatever can be refused, then start every prompt in the running batch."""
         bound = self.grammar_gate.limits.json_string_max_tokens   # None: the engine's default
         if params.structured_outputs is not None and bound is not None:
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, max_string_tokens=bound))
-        return PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
-                           is_batch_request(request.scope))
+        group = PromptGroup(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params, priority, tenant,
+                            is_batch_request(request.scope))
+        if cache is not None and cache.save:
+            cache_keys.save_when_done(cache, group, prompts[0])
+        return group
 
     async def _collect(self, request: Request, group: PromptGroup,
                        splitters: list[ChatOutputSplitter] | None = None) -> list[Choice]:
@@ -223,8 +228,9 @@ class OpenAIServing:
         prompts = [truncate_prompt(await self.encode(text, add_special_tokens=bool(body.add_special_tokens)),
                                    params, self.engine.info.max_model_len)]
         check_logprobs_budget(params, prompts, self.engine.info.max_model_len, "top_logprobs")
+        cache = await cache_keys.prepare(body, self.engine, prompts)
         try:
-            group = self._start(prefix, prompts, params, body.priority, tenant, request)
+            group = self._start(prefix, prompts, params, body.priority, tenant, request, cache)
         except InvalidRequest as exc:
             if exc.param == "prompt":   # a chat client sent messages; the prompt is their rendering
                 exc.param = "messages"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import (
@@ -140,6 +140,12 @@ class SamplingRequest(BaseModel):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="accepted: prefix caching is automatic, by content")
+    # QVAC's per-request cache (server/prompt_cache/cache_keys.py); its camelCase spelling is accepted too
+    cache_key: Text | None = Field(None, validation_alias=AliasChoices("cache_key", "cacheKey"), description=(
+        "restore the prompt prefix saved under this name first (needs --prefix-cache-dir)"))
+    save_cache_to_disk: bool = Field(False, validation_alias=AliasChoices("save_cache_to_disk", "saveCacheToDisk"),
+                                     description="at the end, save this prompt's prefix under cache_key, across "
+                                                 "restarts")
     # vLLM's extra fields
     prompt_logprobs: Annotated[int, ints(minimum=0, maximum=MAX_LOGPROBS)] | None = Field(
         None, description="each prompt token's logprob (the first's is null), its rank, and the top N")

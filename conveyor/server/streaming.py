@@ -117,6 +117,11 @@ class PromptGroup:
                     raise ConveyorError(f"request {item.request_id} ended with {item.finish_reason}")
             yield index, item
 
+    async def wait_first_choices(self) -> bool:
+        """Wait until each prompt's first choice has ended; False if one was aborted."""
+        results = await asyncio.gather(*self._tasks[:len(self._prompts)], return_exceptions=True)
+        return all(result is None for result in results)
+
     def close(self) -> None:
         """Abort whatever has not finished: each cancelled task's generator sends its abort."""
         self._closed = True

@@ -246,6 +246,9 @@ def test_models_health_metrics(client: openai.OpenAI, tiny_server: RunningServer
     assert values["conveyor:decode_throughput_tokens_per_second"] > 0
     assert values["conveyor:avg_sequences_per_step"] >= 1
     assert values["vllm:kv_cache_usage_perc"] == 0.0 and values["vllm:num_requests_running"] == 0
+    info = tiny_server.engine.core.info
+    assert values["conveyor:kv_cache_capacity_tokens"] == info.num_kv_blocks * info.block_size
+    assert values["conveyor:kv_cache_memory_bytes"] > 0 and f'cache_dtype="{info.kv_cache_dtype}"' in text
     # The per-request histograms vLLM's dashboard reads, for the one request of 3 tokens.
     assert values["vllm:time_per_output_token_seconds_count"] == values["vllm:inter_token_latency_seconds_count"]
     for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",

@@ -32,7 +32,7 @@ LAYERS = ("conveyor.kernels", "conveyor.model", "conveyor.text", "conveyor.runti
           "conveyor.front", "conveyor.server", "conveyor.replicas", "conveyor.cli")
 MAX_MODULES = 12   # a package with more holds more than one concern
 # Packages still over it, at most this many modules until they are split by concern (only ever lowered).
-NOT_YET_SPLIT = {"conveyor.server": 17, "conveyor.runtime": 15}
+NOT_YET_SPLIT = {"conveyor.server": 16, "conveyor.runtime": 15}
 CORE_MAY_IMPORT = ("conveyor.config", "conveyor.errors", "conveyor.sampling_params", "conveyor.core")
 
 

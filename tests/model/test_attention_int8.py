@@ -1,0 +1,149 @@
+"""The 8-bit KV cache: the C kernel reads int8 codes and their scales in place and equals float attention
+over the dequantized cache; the C writer quantizes exactly as torch's does; every ISA build agrees."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from conveyor import kernels
+from conveyor.model import kv_quant
+from conveyor.model.attention import AttentionMetadata, RowSpec, attend, build_metadata, write_cache
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+CPU = torch.device("cpu")
+NUM_BLOCKS = 120
+
+
+class Int8Cache:
+    """One layer's int8 cache twice over (transposed keys for the kernel, plain for torch), holding the
+    same random keys and values, and the float cache they dequantize to."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+        # Heads of unlike magnitudes, and one all-zero vector (its scale is 0).
+        k = torch.randn(shape, generator=gen) * torch.linspace(0.1, 8, num_kv_heads)[:, None]
+        v = torch.randn(shape, generator=gen)
+        k[0, 0, 0] = 0
+        nbytes = kv_quant.block_bytes(block_size, num_kv_heads, head_dim)
+        self.blocks = torch.zeros(2, NUM_BLOCKS, nbytes, dtype=torch.int8)
+        self.plain_blocks = torch.zeros(2, NUM_BLOCKS, nbytes, dtype=torch.int8)
+        self.kernel = kv_quant.code_views(self.blocks, block_size, num_kv_heads, head_dim, True)
+        self.plain = kv_quant.code_views(self.plain_blocks, block_size, num_kv_heads, head_dim, False)
+        (k_codes, k_scales), (v_codes, v_scales) = kv_quant.quantize(k), kv_quant.quantize(v)
+        self.kernel[0].copy_(k_codes.permute(0, 2, 3, 1))
+        kv_quant.scales_of(self.kernel[0], True).copy_(k_scales.permute(0, 2, 1))
+        for codes, scales, view in ((v_codes, v_scales, self.kernel[1]), (k_codes, k_scales, self.plain[0]),
+                                    (v_codes, v_scales, self.plain[1])):
+            view.copy_(codes)
+            kv_quant.scales_of(view, False).copy_(scales)
+        self.floats = (kv_quant.dequantize(k_codes, k_scales, torch.float32),
+                       kv_quant.dequantize(v_codes, v_scales, torch.float32))
+        self.free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+
+def rows_for(specs: list[tuple[int, int]], block_size: int, free: list[int]) -> list[RowSpec]:
+    rows, start = [], 0
+    for num_query, ctx in specs:
+        rows.append(RowSpec(start, num_query, ctx, [free.pop() for _ in range(-(-ctx // block_size))]))
+        start += num_query
+    return rows
+
+
+def run(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], rows: list[RowSpec], block_size: int,
+        window: int | None, tile: int) -> torch.Tensor:
+    meta = build_metadata(rows, block_size, window, CPU, kernel_tile_size=tile)
+    return attend(q, caches[0], caches[1], meta, q.shape[-1] ** -0.5, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window",
+                         [(9, 3, 64, 16, None), (14, 2, 64, 16, None), (8, 2, 16, 16, 7), (6, 1, 128, 4, None),
+                          (4, 4, 32, 8, None)])
+def test_kernel_equals_float_attention_over_the_dequantized_cache(num_heads, num_kv_heads, head_dim, block_size,
+                                                                  window, dtype) -> None:
+    cache = Int8Cache(num_kv_heads, head_dim, block_size)
+    # Decode rows at block edges, and prompt chunks: whole prompts, a later chunk, one past a tile.
+    specs = [(1, 1), (1, block_size), (1, block_size + 1), (1, 100), (5, 5), (23, 40), (17, 17), (2, 2)]
+    rows = rows_for(specs, block_size, cache.free)
+    q = torch.randn(sum(n for n, _ in specs), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    tile = kernels.attention_tile_size(num_heads, num_kv_heads, head_dim, block_size)
+    assert tile > 0
+    ours = run(q.to(dtype), cache.kernel, rows, block_size, window, tile)
+    reference = run(q.to(dtype).float(), cache.floats, rows, block_size, window, 0)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2   # bf16: the output's own rounding
+    torch.testing.assert_close(ours.float(), reference, atol=tol, rtol=tol)
+    # torch's path reads the int8 cache too (dequantizing what it gathers; in bf16 its keys round too).
+    tol = tol if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(run(q.to(dtype), cache.plain, rows, block_size, window, 0).float(), reference,
+                               atol=tol, rtol=tol)
+
+
+def test_a_query_gives_the_same_bits_in_any_step() -> None:
+    """Decode rows read the codes in place, prompt chunks widen them first: the same bits either way."""
+    num_heads, num_kv_heads, head_dim, block_size, n = 9, 3, 64, 16, 40
+    cache = Int8Cache(num_kv_heads, head_dim, block_size, seed=3)
+    table = [cache.free.pop() for _ in range(3)]
+    q = torch.randn(n, num_heads, head_dim, generator=torch.Generator().manual_seed(4))
+    tile = kernels.attention_tile_size(num_heads, num_kv_heads, head_dim, block_size)
+    whole = run(q, cache.kernel, [RowSpec(0, n, n, table)], block_size, None, tile)
+    for chunk in (1, 3, 16, 25):
+        for first in range(0, n, chunk):
+            size = min(chunk, n - first)
+            other = RowSpec(0, 1, 30, cache.free[:2])
+            qq = torch.cat([torch.randn(1, num_heads, head_dim), q[first:first + size]])
+            got = run(qq, cache.kernel, [other, RowSpec(1, size, first + size, table)], block_size, None, tile)
+            assert torch.equal(got[1:], whole[first:first + size]), f"chunk {chunk} at {first}"
+
+
+@pytest.mark.parametrize("is_bf16", [False, True])
+def test_the_c_writer_quantizes_as_torch_does(is_bf16: bool) -> None:
+    """rope_cache (the one-call layer's write) and write_cache (the op-by-op one) store the same bytes:
+    codes and scales. The rotation is the identity here (cos 1, sin 0), so both get the same vectors."""
+    lib = kernels.library().lib
+    fn = lib.rope_cache
+    fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p, ctypes.c_float, ctypes.c_int,
+                   ctypes.c_int, i64]
+    dtype = torch.bfloat16 if is_bf16 else torch.float32
+    heads, kv_heads, head_dim, block_size, tokens = 4, 2, 64, 16, 37
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    qkv[4, heads * head_dim:(heads + 1) * head_dim] = 0   # a zero key: scale 0, codes 0
+    slots = torch.randperm(8 * block_size, generator=gen)[:tokens]
+    cos, sin = torch.ones(tokens, head_dim), torch.zeros(tokens, head_dim)
+    nbytes = kv_quant.block_bytes(block_size, kv_heads, head_dim)
+    ours, theirs = torch.zeros(2, 8, nbytes, dtype=torch.int8), torch.zeros(2, 8, nbytes, dtype=torch.int8)
+    k_view, v_view = kv_quant.code_views(ours, block_size, kv_heads, head_dim, True)
+    assert fn(qkv.clone().data_ptr(), qkv.shape[1], tokens, heads, kv_heads, head_dim, head_dim, cos.data_ptr(),
+              sin.data_ptr(), slots.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), block_size, None, None, 1e-6,
+              int(is_bf16), kernels.decoder.KV_FORMATS[torch.int8], 1) == 0
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    k_plain, v_plain = kv_quant.code_views(theirs, block_size, kv_heads, head_dim, True)
+    meta = AttentionMetadata(slots, [], build_metadata([RowSpec(0, 1, 1, [0])], block_size, None, CPU, 1).kernel)
+    write_cache(k, v, k_plain, v_plain, meta)
+    assert torch.equal(ours, theirs)
+    assert kv_quant.scales_of(k_view, True).abs().max() > 0
+
+
+NATIVE = kernels.cpu_features()
+NARROWER = {"avx2": NATIVE & {"avx2", "fma", "f16c"}, "portable": frozenset()}
+
+
+@pytest.mark.parametrize("variant", list(NARROWER))
+def test_narrower_code_paths_match_and_are_step_invariant(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16, 8 or 4 lanes (AVX-512, AVX2, portable): the same answers and the same bits in any step."""
+    if variant == "avx2" and not {"avx2", "fma"} <= NATIVE:
+        pytest.skip("this CPU has no AVX2")
+    library = kernels.library_for(frozenset(NARROWER[variant]))
+    assert library is not None
+    monkeypatch.setattr(kernels, "library", lambda: library)
+    test_kernel_equals_float_attention_over_the_dequantized_cache(9, 3, 64, 16, None, torch.float32)
+    test_kernel_equals_float_attention_over_the_dequantized_cache(6, 1, 128, 4, None, torch.bfloat16)
+    test_a_query_gives_the_same_bits_in_any_step()
+    test_the_c_writer_quantizes_as_torch_does(False)
