@@ -332,7 +332,8 @@ class EngineCore:
     def _run(self, plan: StepPlan, drafts: DraftTally) -> list[TokenDelta]:
         logits = self.runner.execute(plan)
         if self.draft is not None:   # the draft reads the same prompt chunks, so its guesses never wait on one
-            self.draft.follow([row for row in plan.rows if row.is_prefill and row.request_id in self._live
+            self.draft.follow([(row, self._live[row.request_id].request.all_token_ids) for row in plan.rows
+                               if row.is_prefill and row.request_id in self._live
                                and self._live[row.request_id].request.can_speculate])
         rows = [row for row in plan.rows if row.is_sampling]
         num_sampled = sum(row.num_logits for row in rows)

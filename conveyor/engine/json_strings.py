@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from conveyor.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:   # the server's process (the front) imports this module and never loads torch
+    import torch
 
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _TOKENS_PER_CHAR = 6
@@ -122,5 +124,7 @@ class StringBounds:
             bits = np.zeros(words * 32, dtype=np.uint8)
             bits[[i for i, data in enumerate(self._bytes()[:self.vocab_size]) if data[:1] == b'"']] = 1
             packed = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
+            import torch   # the engine core's process only: the mask is applied there
+
             self._close = torch.from_numpy(packed.copy()).reshape(1, words)
         return self._close

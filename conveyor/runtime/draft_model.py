@@ -1,12 +1,15 @@
 """DraftModelProposer: a smaller model of the same vocabulary guesses a request's next tokens.
 
-Speculative decoding with a draft model: the draft decodes a few tokens greedily, the target verifies
+Speculative decoding with a draft model: the draft decodes a few tokens, the target verifies
 them all in one forward (a multi-token decode row, core/scheduler.py) and keeps those it would have
 produced anyway, so outputs never depend on the draft; a good draft only makes them come sooner.
 
-The draft keeps its own paged KV cache, with a block list per request. Before it guesses it catches
-up with the request's context: what it computed is kept up to where it still matches the context (a
-rejected guess only shortens it), the rest is computed in chunks, then it decodes one token a forward.
+The draft keeps its own paged KV cache, with a block list per request. It reads each prompt chunk in
+the step the model computes it (`follow`); a prompt found in the model's prefix cache is taken up from
+where the model starts computing. Before it guesses it catches up with the request's context: what it
+computed is kept up to where it still matches (a rejected guess only shortens it), the rest is computed
+in one forward (a context it fell far behind on is taken up from its last 512 tokens), then it decodes
+one token a forward, for every guessing request at once.
 The scheduler asks it through the pure `Proposer` interface; the seconds it spends are reported
 (`take_seconds`) so that the step's cost model learns the target's cost alone, and
 `cost_per_token_s` is what one more guess costs here.
@@ -40,7 +43,7 @@ from conveyor.runtime.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
-_CATCH_UP_CHUNK = 512   # most context tokens the draft computes in one forward
+_CATCH_UP_CHUNK = 512   # most context tokens the draft takes up in one propose
 _COST_SMOOTHING = 0.2   # weight of the newest one-token forward in cost_per_token_s
 
 
@@ -50,7 +53,10 @@ SamplingSource = Callable[[str], "tuple[Request, torch.Generator | None] | None"
 
 @dataclass(slots=True)
 class _DraftState:
-    token_ids: list[int] = field(default_factory=list)   # the context whose KV the draft holds, in order
+    # The draft holds the KV of the context from `offset` on (a prompt found in the model's prefix cache,
+    # or a context it fell far behind on, is taken up from there: its positions count from 0).
+    offset: int = 0
+    token_ids: list[int] = field(default_factory=list)   # the context from offset whose KV the draft holds
     blocks: list[int] = field(default_factory=list)
 
 
@@ -67,7 +73,7 @@ class _Guessing:
 
 
 class DraftModelProposer:
-    """Greedy guesses of a draft model; `runner` steps the draft over its own KV cache."""
+    """A draft model's guesses; `runner` steps the draft over its own KV cache."""
 
     def __init__(self, runner: ModelRunner, max_model_len: int, target_vocab_size: int) -> None:
         self.runner = runner
@@ -97,24 +103,30 @@ class DraftModelProposer:
         if state is not None:
             self._free.extend(reversed(state.blocks))
 
-    def follow(self, rows: Sequence[ScheduledRow]) -> None:
-        """Compute the prompt chunks the model just computed (`rows`, prefill rows) in one draft forward,
-        so a request's first guesses find its prompt there and no later step stalls on a whole prompt.
-        A row the draft cannot continue (it missed an earlier chunk, or is out of blocks) is left to
-        `propose`'s catch-up."""
+    def follow(self, rows: Sequence[tuple[ScheduledRow, Sequence[int]]]) -> None:
+        """Compute the prompt chunks the model just computed (prefill rows, each with its request's token
+        ids) in one draft forward, so a request's first guesses find its prompt there and no later step
+        stalls on a whole prompt. A prompt the model found in its prefix cache is taken up at most
+        `_CATCH_UP_CHUNK` tokens before the model's first computed one. A row the draft cannot continue
+        (it missed an earlier chunk, or is out of blocks) is left to `propose`'s catch-up."""
         started = time.perf_counter()
         batch = []
-        for row in rows:
+        for row, token_ids in rows:
             state = self._states.setdefault(row.request_id, _DraftState())
-            if len(state.token_ids) < row.start_position:
+            if not state.token_ids or row.start_position < state.offset:
+                state.offset = max(0, row.start_position - _CATCH_UP_CHUNK)
+                del state.token_ids[:]
+            start = row.start_position - state.offset
+            if len(state.token_ids) < start and state.token_ids:
                 continue
-            del state.token_ids[row.start_position:]   # a recompute after preemption starts over here
-            if not self._reserve(state, row.start_position + row.num_tokens):
+            tokens = [*token_ids[state.offset + len(state.token_ids):row.start_position], *row.token_ids]
+            del state.token_ids[start:]   # a recompute after preemption starts over here
+            start = len(state.token_ids)
+            if not self._reserve(state, start + len(tokens)):
                 self.forget(row.request_id)
                 continue
-            batch.append((state, ScheduledRow(request_id=row.request_id, token_ids=list(row.token_ids),
-                                              start_position=row.start_position, block_table=list(state.blocks),
-                                              is_sampling=False, is_prefill=True)))
+            batch.append((state, ScheduledRow(request_id=row.request_id, token_ids=tokens, start_position=start,
+                                              block_table=list(state.blocks), is_sampling=False, is_prefill=True)))
         if batch:
             self.runner.execute(StepPlan(rows=tuple(row for _, row in batch)))
             for state, row in batch:
@@ -133,16 +145,19 @@ class DraftModelProposer:
             if max_tokens <= 0 or not token_ids or len(token_ids) + max_tokens - 1 > self.max_model_len:
                 continue
             state = self._states.setdefault(request_id, _DraftState())
+            context = token_ids[state.offset:]
             # The newest context token is always fed again: its logits give the first guess.
-            keep = min(_common_prefix(state.token_ids, token_ids), len(token_ids) - 1)
+            keep = min(_common_prefix(state.token_ids, context), len(context) - 1)
+            if len(context) - keep > _CATCH_UP_CHUNK:
+                # Far behind (a context it never followed): take up only its last chunk, so no step
+                # waits on the draft reading a whole prompt.
+                state.offset, keep = len(token_ids) - _CATCH_UP_CHUNK, 0
+                context = token_ids[state.offset:]
             del state.token_ids[keep:]
-            if not self._reserve(state, len(token_ids) + max_tokens - 1):
+            if not self._reserve(state, len(context) + max_tokens - 1):
                 self.forget(request_id)   # out of draft blocks: no guess, and nothing held
                 continue
-            pending = list(token_ids[keep:])
-            while len(pending) > _CATCH_UP_CHUNK:   # a context the draft has not followed: chunk by chunk
-                self._forward([(request_id, state, pending[:_CATCH_UP_CHUNK])], sample=False)
-                del pending[:_CATCH_UP_CHUNK]
+            pending = list(context[keep:])
             live.append(_Guessing(request_id, state, self._chooser(request_id), max_tokens, pending, guesses[i]))
         first = True
         while live:

@@ -12,10 +12,10 @@ import httpx
 from server_helpers import launch_server_process
 
 PHASES = [
-    r"conveyor\.engine\.tokenizer_loader: tokenizer of \S+ loaded in \d+\.\d\d s",
-    r"conveyor\.engine\.runtime_builder: start-up: C kernels (ready|unavailable \(torch kernels\)) in \d+\.\d\d s",
+    r"conveyor\.text\.tokenizer_loader: tokenizer of \S+ loaded in \d+\.\d\d s",
+    r"conveyor\.runtime\.runtime_builder: start-up: C kernels (ready|unavailable \(torch kernels\)) in \d+\.\d\d s",
     r"conveyor\.model\.loader: loaded \S+ \(.*\) as \S+ on cpu in \d+\.\d\d s",
-    r"conveyor\.engine\.runtime_builder: start-up: KV cache of \d+ blocks .* allocated in \d+\.\d\d s",
+    r"conveyor\.runtime\.runtime_builder: start-up: KV cache of \d+ blocks .* allocated in \d+\.\d\d s",
     r"conveyor\.engine\.core: start-up: engine core ready in \d+\.\d\d s",
     r"conveyor\.server\.api_server: start-up: ready, serving \S+ on http://127\.0\.0\.1:\d+, \d+\.\d\d s after start-up began",
 ]
