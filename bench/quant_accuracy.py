@@ -21,7 +21,7 @@ from conveyor.text.gguf_vocab import tokenizer_from_gguf
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_model
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import kernel_tile_size
 
 BLOCK_SIZE = 16

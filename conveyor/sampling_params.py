@@ -15,7 +15,7 @@ from conveyor.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_STRING_TOKENS = 1024   # a JSON string's tokens before its closing quote is forced
-# Sane ranges, checked here only; the HTTP schema (server/request_schemas.py) declares them for its document.
+# Sane ranges, checked here only; the HTTP schema (server/openai_api/request_schemas.py) declares them for its document.
 MAX_TEMPERATURE = 100.0               # past it every distribution is flat to float32 precision anyway
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0   # logit / penalty stays finite in float32
 MAX_TOP_K = 2**31 - 1                 # values at or past the vocabulary size mean off, as -1 and 0 do

@@ -1,6 +1,6 @@
 """BlockManager: the KV blocks' free list, reference counts, block tables and prefix hashes.
 
-Pure Python bookkeeping; the KV tensors themselves live in runtime/kv_cache.py.
+Pure Python bookkeeping; the KV tensors themselves live in runtime/kv/cache.py.
 """
 
 from __future__ import annotations

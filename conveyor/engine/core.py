@@ -45,7 +45,7 @@ from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.runtime.runtime_builder import Runtime, build_draft, build_runtime, log_batching
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.draft_model import DraftModelProposer
-from conveyor.runtime.prefix_tier import build_disk_tier
+from conveyor.runtime.kv.prefix_tier import build_disk_tier
 from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
 

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.errors import ConveyorError
 from conveyor.server.app import error_response
-from conveyor.server.streaming import DONE_EVENT, error_event
+from conveyor.server.openai_api.streaming import DONE_EVENT, error_event
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError
 from conveyor.replicas.routing import ROUTING_BLOCKS, RoutingKey, prefix_key
 from conveyor.server.parsing.chat_tools import template_input
-from conveyor.server.request_schemas import ChatCompletionRequest
+from conveyor.server.openai_api.request_schemas import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from conveyor.core.plan import StepPlan
 from conveyor.model.attention import AttentionGroup, AttentionMetadata
 from conveyor.model.llama import LlamaModel
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
 

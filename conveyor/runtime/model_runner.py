@@ -9,7 +9,7 @@ from conveyor.core.plan import StepPlan
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.batch import build_batch
 from conveyor.runtime.cuda_graphs import DecodeGraphs
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 
 
 def kernel_tile_size(model: LlamaModel, block_size: int, device: torch.device) -> int:

@@ -23,7 +23,7 @@ from conveyor.model.loader import load_model, resolve_quantization
 from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0
 

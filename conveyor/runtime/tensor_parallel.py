@@ -33,7 +33,7 @@ from conveyor.core.plan import StepPlan
 from conveyor.kernels import KernelLibrary
 from conveyor.model.llama import LlamaModel
 from conveyor.model.sharding import Shard
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

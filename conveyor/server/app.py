@@ -29,12 +29,12 @@ from conveyor.server.batch.store import BatchStore
 from conveyor.server.live_view import add_dashboard
 from conveyor.server.llamacpp.serving import add_llamacpp_routes
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.openai_api.openai_serving import OpenAIServing
 from conveyor.server.http.request_guard import RequestGuard, error_response
-from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
+from conveyor.server.openai_api.request_schemas import ChatCompletionRequest, CompletionRequest
 from conveyor.server.openai_responses.store import ResponseStore
 from conveyor.server.openai_responses.api import add_responses_routes
-from conveyor.server.responses import (
+from conveyor.server.openai_api.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ErrorResponse,
@@ -43,7 +43,7 @@ from conveyor.server.responses import (
     ModelList,
 )
 from conveyor.server.prompt_cache.slots import add_slot_routes
-from conveyor.server.tokenization import (
+from conveyor.server.openai_api.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,

@@ -30,7 +30,7 @@ from conveyor.config import GrammarLimits
 from conveyor.engine.structured_output import GrammarCompiler, can_start
 from conveyor.errors import InvalidRequest, ServerBusy
 from conveyor.sampling_params import StructuredOutputsParams
-from conveyor.server.chat_schemas import ToolDefinition
+from conveyor.server.openai_api.chat_schemas import ToolDefinition
 from conveyor.server.parsing.chat_tools import check_tool_schemas
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from conveyor import kernels
 from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 
 MODEL_NAMES = ("llama", "llama_untied", "qwen2", "qwen3", "phi3", "mistral", "gemma3", "gemma3_scaled")
 # The torch ops, and the C kernels (packed matmuls, each decoder layer as one C call, paged attention).

@@ -17,7 +17,7 @@ from conveyor.model.attention import RowSpec, build_metadata
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import load_model
 from conveyor.model.quant import QuantEmbedding, QuantLinear
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import kernel_tile_size
 
 from gguf_blocks import llama_layer_shapes, random_blocks

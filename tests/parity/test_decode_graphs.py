@@ -14,7 +14,7 @@ import torch
 
 from conveyor import LLM, SamplingParams, kernels
 from conveyor.runtime.cuda_graphs import DecodeGraphs
-from conveyor.runtime.kv_cache import KVCache
+from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
 
 NUM_TOKENS = 20

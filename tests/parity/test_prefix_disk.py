@@ -11,7 +11,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.block_manager import hash_block
-from conveyor.runtime import prefix_tier
+from conveyor.runtime.kv import prefix_tier
 
 pytest.importorskip("gguf")
 

@@ -17,7 +17,7 @@ import pytest
 from server_helpers import RunningServer, start_server
 from test_errors import assert_error
 
-from conveyor.server.chat_output import EFFORT_BUDGETS
+from conveyor.server.openai_api.chat_output import EFFORT_BUDGETS
 
 THINK_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\ntools:' }}{% for tool in tools %}{{ ' ' + tool.function.name }}"

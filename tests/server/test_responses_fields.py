@@ -14,7 +14,7 @@ from server_helpers import RunningServer, start_server
 from test_errors import assert_error
 
 from conveyor.errors import InvalidRequest
-from conveyor.server.chat_output import EFFORT_BUDGETS, effort_settings
+from conveyor.server.openai_api.chat_output import EFFORT_BUDGETS, effort_settings
 
 ASK = "What is the capital of France?"
 

@@ -8,7 +8,7 @@ import json
 
 from conveyor.text.chat_template import compile_chat_template, render_chat_template, takes_tools
 from conveyor.server.parsing.chat_tools import DEFAULT_TOOLS_PROMPT, template_input, tool_choice_constraint
-from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
+from conveyor.server.openai_api.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
 
 PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
          "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.runtime.kv_disk import KVDiskStore
+from conveyor.runtime.kv.disk import KVDiskStore
 
 SHAPE = (2, 2, 4, 1, 8)            # (layers, K/V, block_size, kv heads, head dim)
 NBYTES = 2 * 2 * 4 * 1 * 8 * 2     # float16
@@ -164,7 +164,7 @@ def test_two_stores_share_a_folder(tmp_path: Path) -> None:
 
 
 def test_model_digest_sees_a_swapped_file_of_the_same_size_and_mtime(tmp_path: Path) -> None:
-    from conveyor.runtime.kv_fingerprint import model_digest
+    from conveyor.runtime.kv.fingerprint import model_digest
 
     model = tmp_path / "model.gguf"
     model.write_bytes(b"A" * 4096)

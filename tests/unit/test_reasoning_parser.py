@@ -77,7 +77,7 @@ def test_where_the_output_starts(parser: str, prompt: str, inside: bool) -> None
 
 
 def test_a_call_written_inside_the_thinking_is_thinking_and_one_after_it_is_a_call() -> None:
-    from conveyor.server.chat_output import ChatOutputSplitter
+    from conveyor.server.openai_api.chat_output import ChatOutputSplitter
     from conveyor.server.parsing.tool_calls import ToolCallStreamParser
 
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'

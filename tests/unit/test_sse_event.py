@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from conveyor.server.responses import ErrorInfo
-from conveyor.server.streaming import sse
+from conveyor.server.openai_api.responses import ErrorInfo
+from conveyor.server.openai_api.streaming import sse
 
 # U+0085, U+2028 and U+2029 are line breaks to str.splitlines; JSON keeps them raw in strings.
 TEXT = "a\u2028b\x85c\u2029d\n\"e\\\u2028 \U0001f600"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conveyor.model.gguf.model import gguf_reader
-from conveyor.runtime.kv_cache import _zeros
+from conveyor.runtime.kv.cache import _zeros
 
 gguf = pytest.importorskip("gguf")
 

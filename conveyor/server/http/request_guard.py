@@ -29,7 +29,7 @@ from conveyor.errors import (
 from conveyor.server.batch.api import is_batch_request
 from conveyor.server.http.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 from conveyor.server.live_view import EVENTS_PATH
-from conveyor.server.responses import ErrorInfo, ErrorResponse
+from conveyor.server.openai_api.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

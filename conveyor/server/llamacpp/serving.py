@@ -23,10 +23,10 @@ from conveyor import __version__
 from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.logprobs import TokenLogprobs
-from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Serving
+from conveyor.server.openai_api.completion_serving import CLIENT_CLOSED_REQUEST, Serving
 from conveyor.server.llamacpp.schemas import LlamaCompletionRequest, LlamaPrompt
 from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget
-from conveyor.server.streaming import (
+from conveyor.server.openai_api.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     PromptGroup,

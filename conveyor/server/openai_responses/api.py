@@ -26,12 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from conveyor.errors import ConveyorError, InvalidRequest
-from conveyor.server.chat_output import ChatRun
-from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, OpenAIServing
-from conveyor.server.request_schemas import ChatCompletionRequest
+from conveyor.server.openai_api.chat_output import ChatRun
+from conveyor.server.openai_api.openai_serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from conveyor.server.openai_api.request_schemas import ChatCompletionRequest
 from conveyor.server.openai_responses.store import ResponseStore
 from conveyor.server.openai_responses.schemas import ResponsesRequest
-from conveyor.server.streaming import ClientDisconnected, EventStreamResponse, error_payload, sse, until_disconnected
+from conveyor.server.openai_api.streaming import ClientDisconnected, EventStreamResponse, error_payload, sse, until_disconnected
 from conveyor.server.parsing.tool_calls import ToolCall
 
 # Chat field names in errors -> the Responses request's own.

@@ -18,14 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import MAX_LOGPROBS
-from conveyor.server.chat_schemas import (
+from conveyor.server.openai_api.chat_schemas import (
     REQUEST_CONFIG,
     FunctionDefinition,
     NamedFunction,
     Text,
     refuse_extra_fields,
 )
-from conveyor.server.request_schemas import ReasoningEffort
+from conveyor.server.openai_api.request_schemas import ReasoningEffort
 
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)
 _ITEM_CONFIG = ConfigDict(extra="ignore", strict=True)   # items echo back fields (status, annotations) we need not read

@@ -24,7 +24,7 @@ from conveyor.engine.schema_bounds import bounded_schema
 from conveyor.engine.structured_output import json_schema_refusal
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import StructuredOutputsParams
-from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
+from conveyor.server.openai_api.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
 from conveyor.server.http.json_depth import MAX_JSON_DEPTH, nests_deeper_than
 
 DEFAULT_TOOLS_PROMPT = (

@@ -1,5 +1,5 @@
 """A request's own cache key, as QVAC's completions name one (`cacheKey`, `saveCacheToDisk`), over the
-named-prompt store that /slots save/restore use (runtime/named_prompts.py; needs --prefix-cache-dir).
+named-prompt store that /slots save/restore use (runtime/kv/named_prompts.py; needs --prefix-cache-dir).
 
 - `cache_key` (or `cacheKey`): the name of this conversation's prompt prefix. When a name of that
   key is saved, it is restored before the request starts: its blocks are checked on disk and the
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import InvalidRequest, NotFound
-from conveyor.runtime import named_prompts
-from conveyor.server.sampling_request import SamplingRequest
-from conveyor.server.streaming import PromptGroup
+from conveyor.runtime.kv import named_prompts
+from conveyor.server.openai_api.sampling_request import SamplingRequest
+from conveyor.server.openai_api.streaming import PromptGroup
 
 logger = logging.getLogger(__name__)
 

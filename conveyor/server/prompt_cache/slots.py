@@ -1,5 +1,5 @@
 """llama-server's slot files, `POST /slots/{id_slot}?action=save|restore|erase`, over the prefix cache's
-folder (--prefix-cache-dir; runtime/named_prompts.py).
+folder (--prefix-cache-dir; runtime/kv/named_prompts.py).
 
 conveyor keeps no slots: requests share one prefix cache. Every slot id therefore names the last
 prompt this server admitted, whichever request sent it:
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import InvalidRequest
-from conveyor.runtime import named_prompts
+from conveyor.runtime.kv import named_prompts
 
 
 class SlotFile(BaseModel):

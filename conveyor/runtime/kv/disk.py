@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from conveyor.private_cache import private_dir, read_private_file, write_atomically
-from conveyor.runtime.named_prompts import BLOCK_SUFFIX, block_file_name, pinned_files
+from conveyor.runtime.kv.named_prompts import BLOCK_SUFFIX, block_file_name, pinned_files
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.server.prompt_cache import cache_keys
 from conveyor.server.batch.api import is_batch_request
 from conveyor.server.prompt_cache.cache_keys import CacheKey
-from conveyor.server.chat_schemas import ChatMessage, ToolDefinition
-from conveyor.server.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
+from conveyor.server.openai_api.chat_schemas import ChatMessage, ToolDefinition
+from conveyor.server.openai_api.completion_serving import CLIENT_CLOSED_REQUEST, Choice, serve_completions
 from conveyor.server.grammar_gate import GrammarGate
-from conveyor.server.logprob_format import LogprobFormatter
+from conveyor.server.openai_api.logprob_format import LogprobFormatter
 from conveyor.server.http.off_loop import (
     THREAD_TOKENIZE_CHARS,
     encode_large,
@@ -38,8 +38,8 @@ from conveyor.server.http.off_loop import (
     respond_off_loop,
 )
 from conveyor.server.http.request_limits import check_logprobs_budget, tenant_of
-from conveyor.server.request_schemas import ChatCompletionRequest, CompletionRequest
-from conveyor.server.responses import (
+from conveyor.server.openai_api.request_schemas import ChatCompletionRequest, CompletionRequest
+from conveyor.server.openai_api.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -52,9 +52,9 @@ from conveyor.server.responses import (
 from conveyor.server.parsing.chat_tools import template_input
 from conveyor.server.parsing.tool_calls import ToolCall, parse_tool_calls
 from conveyor.server.parsing.tool_syntaxes import resolve_tool_call_parser, syntaxes
-from conveyor.server.chat_output import (ChatOutputSplitter, ChatRun, Thinking, effort_settings, finish_reason,
+from conveyor.server.openai_api.chat_output import (ChatOutputSplitter, ChatRun, Thinking, effort_settings, finish_reason,
                                          tool_call_deltas, tool_calls_out)
-from conveyor.server.streaming import (
+from conveyor.server.openai_api.streaming import (
     DONE_EVENT,
     ClientDisconnected,
     EventStreamResponse,

@@ -17,10 +17,10 @@ from pydantic import Field, field_validator
 
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from conveyor.server.chat_schemas import ChatMessage, NamedToolChoice, Text, ToolDefinition
+from conveyor.server.openai_api.chat_schemas import ChatMessage, NamedToolChoice, Text, ToolDefinition
 from conveyor.server.parsing.chat_tools import tool_choice_constraint
 from conveyor.server.http.request_limits import bounded_messages
-from conveyor.server.sampling_request import SamplingRequest, TokenId, ints
+from conveyor.server.openai_api.sampling_request import SamplingRequest, TokenId, ints
 
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 NumLogprobs = Annotated[int, ints(minimum=0, maximum=MAX_LOGPROBS)]

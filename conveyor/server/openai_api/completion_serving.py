@@ -25,12 +25,12 @@ from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.prompt_cache import cache_keys
 from conveyor.server.prompt_cache.cache_keys import CacheKey
-from conveyor.server.logprob_format import LogprobFormatter
+from conveyor.server.openai_api.logprob_format import LogprobFormatter
 from conveyor.server.http.off_loop import THREAD_TOKENIZE_CHARS, encode_all, respond_off_loop
 from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget, tenant_of
-from conveyor.server.request_schemas import CompletionRequest
-from conveyor.server.responses import CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo
-from conveyor.server.streaming import (
+from conveyor.server.openai_api.request_schemas import CompletionRequest
+from conveyor.server.openai_api.responses import CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo
+from conveyor.server.openai_api.streaming import (
     DONE_EVENT,
     ClientDisconnected,
     EventStreamResponse,

@@ -24,7 +24,7 @@ from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.responses import ErrorInfo, ErrorResponse
+from conveyor.server.openai_api.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from conveyor.server.chat_schemas import REQUEST_CONFIG, Text, refuse_extra_fields
+from conveyor.server.openai_api.chat_schemas import REQUEST_CONFIG, Text, refuse_extra_fields
 
 # Top-level request bodies keep unknown fields so that each can be refused by name (check_fields).
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from conveyor.text.tokenizer import Tokenizer
 from conveyor.logprobs import PromptLogprob, TokenLogprobs
-from conveyor.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokenLogprob, TopLogprob
+from conveyor.server.openai_api.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokenLogprob, TopLogprob
 
 PromptLogprobsOut = list[dict[str, PromptTokenLogprob] | None]
 

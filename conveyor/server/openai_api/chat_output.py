@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from conveyor.errors import InvalidRequest
 from conveyor.sampling_params import SamplingParams, ThinkingBudget
 from conveyor.server.parsing.reasoning import THINK_END, THINK_START, ReasoningStream, starts_in_reasoning
-from conveyor.server.responses import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
+from conveyor.server.openai_api.responses import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
 from conveyor.server.parsing.tool_calls import ToolCall, ToolCallStreamParser
 from conveyor.server.parsing.tool_syntaxes import CallSyntax
 
 if TYPE_CHECKING:
     from conveyor.text.tokenizer import Tokenizer
-    from conveyor.server.request_schemas import ChatCompletionRequest
-    from conveyor.server.streaming import PromptGroup
+    from conveyor.server.openai_api.request_schemas import ChatCompletionRequest
+    from conveyor.server.openai_api.streaming import PromptGroup
 
 
 class ChatOutputSplitter:

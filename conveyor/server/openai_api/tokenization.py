@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.errors import InvalidRequest
-from conveyor.server.chat_schemas import ChatMessage
-from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.openai_api.chat_schemas import ChatMessage
+from conveyor.server.openai_api.openai_serving import OpenAIServing
 from conveyor.server.http.request_limits import bounded_messages
 
 _THREAD_DECODE_TOKENS = 16384

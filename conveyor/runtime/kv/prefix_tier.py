@@ -29,9 +29,9 @@ from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import Request
 from conveyor.model.llama import ModelArch
-from conveyor.runtime.kv_cache import KVCache
-from conveyor.runtime.kv_disk import KVDiskStore
-from conveyor.runtime.kv_fingerprint import kv_fingerprint, model_digest
+from conveyor.runtime.kv.cache import KVCache
+from conveyor.runtime.kv.disk import KVDiskStore
+from conveyor.runtime.kv.fingerprint import kv_fingerprint, model_digest
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible endpoints: chat and completions, their schemas, streaming and n choices, logprobs, tokenization."""
