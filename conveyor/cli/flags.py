@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from conveyor import __version__
-from conveyor.cli.speculative_flags import add_speculative_flags, speculative_options
+from conveyor.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_flags, speculative_options
 from conveyor.config import (
     BATCH_PRESETS,
     DEFAULT_BATCH_PRESET,
@@ -170,7 +170,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "prefix_cache_dir": args.prefix_cache_dir, "prefix_cache_disk_size": args.prefix_cache_disk_size,
         "kv_cache_dtype": DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype),
-        **speculative_options(args),
+        **speculative_options({"speculative": args.speculative, **_given(args, *SPECULATIVE_FLAGS)},
+                              args.speculative_config),
         "tenant_weights": tenant_weights(args.tenant_weight),
         **_given(args, "max_running_per_tenant", "max_priority_preemptions"),
     }

@@ -38,19 +38,20 @@ _SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "
                             "prompt_lookup_min": "ngram_prompt_lookup_min",
                             "prompt_lookup_max": "ngram_prompt_lookup_max", "model": "speculative_model",
                             "quantization": "speculative_model_quantization"}
-_SPECULATIVE_FLAGS = ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
-                      "speculative_model", "speculative_model_quantization")
+# The separate flags beside --speculative, each given or None.
+SPECULATIVE_FLAGS = ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
+                     "speculative_model", "speculative_model_quantization")
 
 
-def speculative_options(args: argparse.Namespace) -> dict:
-    """The speculative flags, or their --speculative-config JSON (not both)."""
-    flags = {"speculative": args.speculative, **_given(args, _SPECULATIVE_FLAGS)}
-    if args.speculative_config is None:
+def speculative_options(flags: dict, config_json: str | None) -> dict:
+    """The speculative flags given (`flags`, --speculative among them), or their --speculative-config JSON
+    (not both)."""
+    if config_json is None:
         return flags
-    if args.speculative is not None or len(flags) > 1:
+    if flags.get("speculative") is not None or len(flags) > 1:
         raise SystemExit("conveyor: error: give --speculative-config or the separate speculative flags, not both")
     try:
-        config = json.loads(args.speculative_config)
+        config = json.loads(config_json)
     except json.JSONDecodeError as exc:
         raise SystemExit(f"conveyor: error: --speculative-config is not JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -64,7 +65,3 @@ def speculative_options(args: argparse.Namespace) -> dict:
         raise SystemExit(f"conveyor: error: --speculative-config: method must be one of "
                          f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}")
     return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in {**config, "method": method}.items()}
-
-
-def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

@@ -17,17 +17,14 @@ from typing import Protocol
 
 
 class Proposer(Protocol):
-    """Guesses up to `max_tokens` next tokens of a request; [] for no guess. State per request is
-    dropped by `forget` when the request ends. `cost_per_token_s`: what one more guess costs the
-    proposer (0 for a lookup), weighed by the scheduler against what the guess is expected to save."""
+    """Guesses the next tokens of several requests at once, one ask each (request id, token ids, up to
+    how many); [] for no guess. State per request is dropped by `forget` when the request ends.
+    `cost_per_token_s`: what one more guess costs the proposer (0 for a lookup), weighed by the
+    scheduler against what the guess is expected to save."""
 
     cost_per_token_s: float
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
-
-    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
-        """`propose` for several requests at once: (request id, token ids, max tokens) each."""
-        ...
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]: ...
 
     def forget(self, request_id: str) -> None: ...
 

@@ -87,9 +87,6 @@ class DraftModelProposer:
         self.sampling_of: SamplingSource | None = None   # set by the engine core; None: every guess greedy
         self._sampler = Sampler(runner.device)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        return self.propose_many([(request_id, token_ids, max_tokens)])[0]
-
     def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
         """Every request's guesses from the same forwards: one row per request, one forward per guess."""
         started = time.perf_counter()
@@ -108,7 +105,7 @@ class DraftModelProposer:
         ids) in one draft forward, so a request's first guesses find its prompt there and no later step
         stalls on a whole prompt. A prompt the model found in its prefix cache is taken up at most
         `_CATCH_UP_CHUNK` tokens before the model's first computed one. A row the draft cannot continue
-        (it missed an earlier chunk, or is out of blocks) is left to `propose`'s catch-up."""
+        (it missed an earlier chunk, or is out of blocks) is left to `propose_many`'s catch-up."""
         started = time.perf_counter()
         batch = []
         for row, token_ids in rows:
