@@ -93,6 +93,11 @@ def test_a_draft_of_another_vocabulary_is_refused(bundled: str, tiny_llama: Path
         LLM(model=bundled, speculative_model=str(tiny_llama), kv_cache_memory="64MiB")
 
 
+def test_a_missing_draft_is_a_clear_start_up_error(bundled: str, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist: .*no-draft.gguf"):
+        LLM(model=bundled, speculative_model=str(tmp_path / "no-draft.gguf"), kv_cache_memory="64MiB")
+
+
 def test_folder_pair_with_a_poor_draft_is_unchanged(tiny_llama: Path, tiny_qwen2: Path) -> None:
     """Another family with random weights guesses badly; the model's output is still its own."""
     prompts = ["hello world", "the cat sat"]
