@@ -47,10 +47,15 @@ class ModelConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
 
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: str | int = "2GiB"
+    # None: 2GiB on the CPU; on a GPU, what gpu_memory_utilization of the card leaves after the weights
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9   # share of the GPU's memory the engine may hold (weights + KV)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     enable_prefix_caching: bool = True
     # "auto": float16 where the weights are kept quantized (as llama.cpp keeps its cache), else the
@@ -73,11 +78,17 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
-        parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @property
     def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        """The KV cache's memory where it is given or the CPU default applies (a GPU sizes it from free memory)."""
+        return parse_bytes(self.kv_cache_memory if self.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
+                           "kv_cache_memory")
 
     @property
     def prefix_cache_disk_bytes(self) -> int:
@@ -94,14 +105,24 @@ class BatchPreset:
     min_prefill_chunk: int            # prefill tokens a step still takes when decodes alone miss the target
 
 
-# Sized for a small model on a few CPU cores, where a 512-token chunk costs about a second.
+# Sized for a small model on a few CPU cores, where a 512-token chunk costs about a second; "gpu" for a
+# GPU (the default there), where a step's cost hardly grows with its rows and prompt tokens come in bulk.
 BATCH_PRESETS = {
     "latency": BatchPreset(target_itl_ms=100.0, max_num_seqs=16, max_num_batched_tokens=256, min_prefill_chunk=16),
     "balanced": BatchPreset(target_itl_ms=200.0, max_num_seqs=64, max_num_batched_tokens=512, min_prefill_chunk=32),
     "throughput": BatchPreset(target_itl_ms=None, max_num_seqs=128, max_num_batched_tokens=1024,
                               min_prefill_chunk=64),
+    "gpu": BatchPreset(target_itl_ms=None, max_num_seqs=256, max_num_batched_tokens=8192, min_prefill_chunk=256),
 }
 DEFAULT_BATCH_PRESET = "balanced"
+
+
+def default_batch_preset(device: str, offline: bool = False) -> str:
+    """The preset used where none is named: gpu on a GPU; on the CPU, balanced for a server, throughput
+    offline (nobody waits on each token there)."""
+    if device.startswith("cuda"):
+        return "gpu"
+    return "throughput" if offline else DEFAULT_BATCH_PRESET
 _BALANCED = BATCH_PRESETS[DEFAULT_BATCH_PRESET]
 
 
@@ -227,9 +248,10 @@ class EngineConfig:
         """Flat keyword options (as `LLM(**options)` or CLI flags give them) -> nested config.
 
         Unknown names raise TypeError, so a typo never silently does nothing. `batch_preset` picks
-        the scheduler defaults; scheduler options given explicitly win over it.
+        the scheduler defaults (None: the device's, `default_batch_preset`); scheduler options given
+        explicitly win over it.
         """
-        batch_preset = options.pop("batch_preset", None) or DEFAULT_BATCH_PRESET
+        batch_preset = options.pop("batch_preset", None) or default_batch_preset(str(options.get("device", "cpu")))
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
         owners = {
             f.name: part
@@ -344,46 +366,3 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """Engines as Ray Serve replicas behind Ray's HTTP proxy (`conveyor serve --replicas N`).
-
-    With `min_replicas` or `max_replicas` set, Ray Serve's autoscaler keeps the count between them
-    (starting at `num_replicas`), adding a replica when the requests in flight per replica pass
-    `target_ongoing_requests`; otherwise the count stays at `num_replicas`.
-    """
-
-    num_replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: int | None = None   # None: max_num_seqs, so replicas are added once requests wait
-    ray_address: str | None = None               # None: a Ray of our own, on loopback; "auto" or HOST:PORT: a cluster
-    metrics_push_interval_s: float = 2.0         # how often each replica sends its /metrics to the merged one
-
-    def __post_init__(self) -> None:
-        _positive("num_replicas", self.num_replicas)
-        _positive("target_ongoing_requests", self.target_ongoing_requests, allow_none=True)
-        if self.min_replicas is not None and (isinstance(self.min_replicas, bool) or not isinstance(
-                self.min_replicas, int) or self.min_replicas < 0):
-            raise ValueError(f"min_replicas must be a non-negative integer, got {self.min_replicas!r}")
-        _positive("max_replicas", self.max_replicas, allow_none=True)
-        if self.is_autoscaling and not self.lower_bound <= self.num_replicas <= self.upper_bound:
-            raise ValueError(f"replicas must lie between min_replicas and max_replicas: {self.lower_bound} <= "
-                             f"{self.num_replicas} <= {self.upper_bound} does not hold")
-        if not 0 < self.metrics_push_interval_s < float("inf"):
-            raise ValueError(f"metrics_push_interval_s must be a positive number of seconds, "
-                             f"got {self.metrics_push_interval_s!r}")
-
-    @property
-    def is_autoscaling(self) -> bool:
-        return self.min_replicas is not None or self.max_replicas is not None
-
-    @property
-    def lower_bound(self) -> int:
-        return self.min_replicas if self.min_replicas is not None else min(1, self.num_replicas)
-
-    @property
-    def upper_bound(self) -> int:
-        return self.max_replicas if self.max_replicas is not None else max(self.num_replicas, self.lower_bound)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.config import EngineConfig
+from conveyor.config import EngineConfig, default_batch_preset
 from conveyor.front.llm_engine import LLMEngine
 from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestMetrics, RequestOutput
@@ -64,7 +64,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         # Offline, nobody waits on each token: steps are sized for throughput unless asked otherwise
         # (the balanced preset's latency target cost 20-25 % of offline throughput, see BENCHMARKS.md).
-        engine_options.setdefault("batch_preset", "throughput")
+        if not engine_options.get("batch_preset"):
+            engine_options["batch_preset"] = default_batch_preset(str(engine_options.get("device", "cpu")), offline=True)
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

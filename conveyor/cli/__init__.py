@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from conveyor.cli.flags import engine_options, parse_args, serve_configs
-from conveyor.config import EngineConfig, ReplicaConfig
+from conveyor.config import EngineConfig
+from conveyor.replicas.config import ReplicaConfig
 from conveyor.errors import ConveyorError
 from conveyor.logging_setup import configure_logging
 from conveyor.model.checkpoint import resolve_model_path

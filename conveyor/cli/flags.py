@@ -10,6 +10,7 @@ from conveyor.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_fl
 from conveyor.config import (
     BATCH_PRESETS,
     DEFAULT_BATCH_PRESET,
+    DEFAULT_KV_CACHE_MEMORY,
     DTYPES,
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
@@ -20,9 +21,9 @@ from conveyor.config import (
     EngineConfig,
     GrammarLimits,
     ModelConfig,
-    ReplicaConfig,
     ServerConfig,
 )
+from conveyor.replicas.config import ReplicaConfig
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's spellings
 
@@ -47,9 +48,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
     group.add_argument("--enforce-eager", action="store_true",
                        help="cuda: run every step eagerly instead of replaying decode steps from CUDA graphs")
-    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=DEFAULT_BATCH_PRESET,
+    group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=None,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
-                            "together; those flags, when given, win")
+                            f"together; those flags, when given, win (default: {DEFAULT_BATCH_PRESET} on the CPU, "
+                            "gpu on a GPU)")
     group.add_argument("--target-itl-ms", type=float, default=None,
                        help="keep steps that decode under this many ms by cutting prompt chunks; 0 = off "
                             "(balanced: 200)")
@@ -74,8 +76,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "model does not fit one process's memory or there are more cores than one rank uses")
     group.add_argument("--max-model-len", "-c", type=int, default=None,
                        help="longest prompt + output (default: the model's)")
-    group.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
-                       help="memory for the KV cache, e.g. 2GiB")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help=f"memory for the KV cache, e.g. 2GiB (default: {DEFAULT_KV_CACHE_MEMORY} on the CPU; on a GPU "
+                            "what --gpu-memory-utilization leaves after the weights)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+                       help="GPU: the share of the card's memory the engine holds, weights and KV cache together; "
+                            "the KV cache takes what the weights and a working reserve leave")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPES, *DTYPE_ALIASES, *KV_CACHE_DTYPE_ALIASES),
                        default=CacheConfig.kv_cache_dtype,
@@ -166,6 +172,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         **({} if args.long_prefill_max_chunk is None
            else {"long_prefill_max_chunk": args.long_prefill_max_chunk or None}),
         "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
         "prefix_cache_dir": args.prefix_cache_dir, "prefix_cache_disk_size": args.prefix_cache_disk_size,

@@ -31,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.replicas.config import ReplicaConfig
 from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.errors import ConveyorError, QueueFull, RequestTimeout, RequestTooLarge, Unauthorized
 from conveyor.model.checkpoint import resolve_model_path

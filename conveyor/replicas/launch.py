@@ -13,7 +13,8 @@ import threading
 import ray
 from ray import serve
 
-from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.replicas.config import ReplicaConfig
 from conveyor.replicas.deployments import build_application
 
 logger = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ from conveyor import kernels
 from conveyor.config import EngineConfig
 from conveyor.kernels.build import KernelLibrary
 from conveyor.model.checkpoint import resolve_model_path
-from conveyor.model.llama import LlamaModel
+from conveyor.model.llama import LlamaModel, ModelArch
 from conveyor.model.loader import load_model, resolve_quantization
 from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
-from conveyor.runtime.kv.cache import KVCache
+from conveyor.runtime.kv.cache import KVCache, gpu_kv_budget, working_reserve
 from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0
 
@@ -86,7 +86,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
                          f"{arch.max_position_embeddings}")
     cache_cfg = config.cache
     num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(arch, cache_cfg.block_size, kv_dtype,
-                                                                   cache_cfg.kv_cache_bytes)
+                                                                   kv_cache_bytes(config, arch, device))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
                          f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
@@ -107,6 +107,24 @@ def build_runtime(config: EngineConfig) -> Runtime:
               else ModelRunner(model, kv_cache, device, graphs))
     return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
                    max_model_len, num_threads)
+
+
+def kv_cache_bytes(config: EngineConfig, arch: ModelArch, device: torch.device) -> int:
+    """The memory given for the KV cache; on a GPU, where none is given, what the card's
+    gpu_memory_utilization leaves once the weights (already loaded) and a step's working reserve count."""
+    cache_cfg = config.cache
+    if cache_cfg.kv_cache_memory is not None or device.type != "cuda":
+        return cache_cfg.kv_cache_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = working_reserve(arch, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    budget = gpu_kv_budget(free, total, cache_cfg.gpu_memory_utilization, reserve)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {cache_cfg.gpu_memory_utilization} of the GPU's {total / 2**30:.1f} "
+                         f"GiB leaves no room for a KV cache beside the {(total - free) / 2**30:.1f} GiB in use and "
+                         f"a {reserve / 2**30:.1f} GiB working reserve: raise it, or give --kv-cache-memory")
+    logger.info("start-up: KV cache sized from the GPU: %.2f of %.1f GiB, %.1f GiB in use, %.1f GiB reserved "
+                "for a step", cache_cfg.gpu_memory_utilization, total / 2**30, (total - free) / 2**30, reserve / 2**30)
+    return budget
 
 
 def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:

@@ -9,7 +9,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 from ray.serve.deployment import Deployment  # noqa: E402
 
 from conveyor.cli import ray_serve_app  # noqa: E402
-from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig  # noqa: E402
+from conveyor.config import EngineConfig, ServerConfig  # noqa: E402
+from conveyor.replicas.config import ReplicaConfig  # noqa: E402
 from conveyor.replicas.deployments import build_application  # noqa: E402
 from conveyor.replicas.router import PrefixAffinityRouter  # noqa: E402
 

@@ -23,7 +23,8 @@ import ray  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import serve  # noqa: E402
 
-from conveyor.config import EngineConfig, ReplicaConfig, ServerConfig  # noqa: E402
+from conveyor.config import EngineConfig, ServerConfig  # noqa: E402
+from conveyor.replicas.config import ReplicaConfig  # noqa: E402
 from conveyor.replicas.launch import connect_ray, deploy  # noqa: E402
 
 pytestmark = pytest.mark.ray

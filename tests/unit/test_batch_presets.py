@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from conveyor.cli.flags import build_parser, engine_options
-from conveyor.config import BATCH_PRESETS, EngineConfig, SchedulerConfig
+from conveyor.config import BATCH_PRESETS, CacheConfig, EngineConfig, SchedulerConfig, default_batch_preset
+from conveyor.runtime.kv.cache import gpu_kv_budget, working_reserve
 
 
 def scheduler_from_flags(*flags: str) -> SchedulerConfig:
@@ -73,3 +76,31 @@ def test_bad_values_are_refused_by_name(options: dict, field: str) -> None:
 def test_an_unknown_preset_flag_is_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--batch-preset", "fastest"])
+
+
+def test_a_gpu_picks_the_gpu_preset_unless_one_is_named() -> None:
+    assert default_batch_preset("cuda") == default_batch_preset("cuda:1", offline=True) == "gpu"
+    assert (default_batch_preset("cpu"), default_batch_preset("cpu", offline=True)) == ("balanced", "throughput")
+    assert EngineConfig.from_options(device="cuda").scheduler == SchedulerConfig.from_preset("gpu")
+    assert scheduler_from_flags("--device", "cuda") == SchedulerConfig.from_preset("gpu")
+    assert scheduler_from_flags("--device", "cuda", "--batch-preset", "latency") == SchedulerConfig.from_preset("latency")
+    assert scheduler_from_flags("--device", "cuda", "--max-num-seqs", "32").max_num_seqs == 32
+    gpu = BATCH_PRESETS["gpu"]
+    assert gpu.max_num_batched_tokens > BATCH_PRESETS["throughput"].max_num_batched_tokens and gpu.target_itl_ms is None
+
+
+def test_kv_memory_on_a_gpu_is_what_the_utilization_leaves() -> None:
+    arch = SimpleNamespace(intermediate_size=1536, vocab_size=49152)   # the bundled model's
+    assert CacheConfig().kv_cache_memory is None and CacheConfig().kv_cache_bytes == 2 * 2**30   # the CPU's default
+    assert EngineConfig.from_options(kv_cache_memory="3GiB").cache.kv_cache_bytes == 3 * 2**30
+    reserve = working_reserve(arch, 8192, 256)
+    assert reserve > 2**30 + 256 * arch.vocab_size * 4   # the sampled rows' logits at least
+    gib = 2**30
+    # 80 GiB card, 10 GiB held (weights, another process): 0.9 leaves 72 - 10 - reserve
+    assert gpu_kv_budget(70 * gib, 80 * gib, 0.9, reserve) == int(80 * gib * 0.9) - 10 * gib - reserve
+    assert gpu_kv_budget(5 * gib, 80 * gib, 0.5, reserve) < 0   # nothing left: start-up refuses (runtime_builder)
+    for bad in (0, 1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            CacheConfig(gpu_memory_utilization=bad)
+    assert EngineConfig.from_options(**engine_options(build_parser().parse_args(
+        ["serve", "--gpu-memory-utilization", "0.5"]))).cache.gpu_memory_utilization == 0.5

@@ -119,7 +119,7 @@ def test_help_shows_defaults_once(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
     assert "port to listen on (0 = any free port) (default: 8000)" in text
     assert "tokens per KV block (default: 16)" in text
-    assert "(default: None)" not in text and text.count("(default: 2GiB)") == 1
+    assert "(default: None)" not in text and text.count("(default: 2GiB on the CPU;") == 1
 
 
 def test_sharing_and_batch_flags() -> None:
@@ -140,7 +140,7 @@ def test_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
     from pathlib import Path
 
     from conveyor.cli.flags import build_parser
-    from conveyor.config import CacheConfig
+    from conveyor.config import DEFAULT_KV_CACHE_MEMORY
 
     root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
@@ -152,7 +152,7 @@ def test_first_flags_table_names_real_serve_flags_with_their_defaults() -> None:
     assert {"--model", "--host", "--port", "--threads", "--api-key", "--max-num-seqs", "--kv-cache-memory",
             "--batch-preset"} <= flags
     assert flags <= known, flags - known
-    assert f"`{CacheConfig.kv_cache_memory}`" in table
+    assert f"`{DEFAULT_KV_CACHE_MEMORY}`" in table
     # The first screen keeps its two commands.
     assert readme.index("make run ") < readme.index("make test ") < readme.index("## Using it")
 

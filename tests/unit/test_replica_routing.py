@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Message, Receive, Scope, Send
 
-from conveyor.config import ReplicaConfig
+from conveyor.replicas.config import ReplicaConfig
 from conveyor.core.block_manager import hash_block
 from conveyor.text.tokenizer_loader import load_tokenizer
 from conveyor.replicas.http_bridge import REPLICA_HEADER, ForwardedRequest, call_app

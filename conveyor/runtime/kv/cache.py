@@ -69,3 +69,18 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if hasattr(mmap, "MADV_HUGEPAGE"):   # fewer page faults and TLB misses where the kernel allows it
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
+
+
+def working_reserve(arch: ModelArch, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """GPU memory a step may take beside weights and KV cache: 1 GiB for the graphs' pool and the
+    allocator's slack, the widest activations of the largest step (the MLP's gate and up in float32),
+    and the sampled rows' logits with the sampler's working copy."""
+    mlp = max_num_batched_tokens * arch.intermediate_size * 2 * 4
+    logits = max_num_seqs * arch.vocab_size * 4 * 3
+    return 2**30 + mlp + logits
+
+
+def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float, reserve_bytes: int) -> int:
+    """Bytes for the KV cache: `utilization` of the card, less what is already held on it (the weights,
+    any other process) and the working reserve. May be zero or negative: nothing is left."""
+    return int(total_bytes * utilization) - (total_bytes - free_bytes) - reserve_bytes
