@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from conveyor.kernels import KernelLibrary
 from conveyor.kernels import layer as layer_kernels
+from conveyor.kernels import triton_layer
 from conveyor.kernels.gemm import gemm, pack
 
 
@@ -40,6 +41,8 @@ class RMSNorm(nn.Module):
             return layer_kernels.rmsnorm(self.kernels, x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        if triton_layer.available(x) and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            return triton_layer.rms_norm(x, self.weight, self.eps)   # the lines below in one kernel
         # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
         dtype = x.dtype
         x32 = x.float()
@@ -114,6 +117,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(act(gate(x)) * up(x)), plus `residual` when given (which may be overwritten with it)."""
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
+        if self.activation == "silu" and triton_layer.available(gate_up) and gate_up.is_contiguous():
+            return linear_residual(self.down_proj, triton_layer.silu_mul(gate_up), residual)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear_residual(self.down_proj, self.act(gate) * up, residual)
 

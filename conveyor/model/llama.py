@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from conveyor.kernels import KernelLibrary
+from conveyor.kernels import KernelLibrary, triton_layer
 from conveyor.kernels import decoder as decoder_kernel
 from conveyor.kernels.gemm import DTYPES as KERNEL_DTYPES
 from conveyor.kernels.gemm import can_pack
@@ -88,16 +88,18 @@ class Attention(nn.Module):
         """o_proj(attention(x)), plus `residual` when given (which may be overwritten with the sum)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)                                             # (T, (H + 2KV) * D)
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         # q and k are adjacent in qkv: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)   # (T, H + KV, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim),
                             self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1, self.head_dim)], dim=1)
-        if self.rope_dim == self.head_dim:
-            qk = apply_rotary(qk, cos, sin)
+        if self.rope_dim == self.head_dim and cos.dtype == qk.dtype and triton_layer.available(qk):
+            qk = triton_layer.rotary_(qk, cos, sin)   # apply_rotary's arithmetic in one kernel, in place
+        elif self.rope_dim == self.head_dim:
+            qk = apply_rotary(qk, cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype))
         else:   # partial rotary: the leading rope_dim of each head turn, the rest pass as they are
+            cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
             qk = torch.cat([apply_rotary(qk[..., : self.rope_dim], cos, sin), qk[..., self.rope_dim:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)       # (T, H, D), (T, KV, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -182,6 +184,7 @@ class LlamaModel(nn.Module):
         if self.fused_layers and meta.kernel is not None:
             self._fused_layers(x, cos, sin, meta, kv_caches)
         else:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)   # once, not in every layer
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin, kv_cache, meta)
         return x
