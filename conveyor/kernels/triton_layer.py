@@ -17,6 +17,7 @@ import torch
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+ENABLED = True   # the benchmarks turn it off to measure the torch ops beside these kernels in one run
 
 if _HAVE_TRITON:
     import triton
@@ -66,7 +67,7 @@ if _HAVE_TRITON:
 def available(x: torch.Tensor) -> bool:
     """Whether the layers send `x` through these kernels: 16-bit, on a CUDA GPU, Triton installed. (The
     tests call the kernels on CPU tensors under Triton's interpreter, TRITON_INTERPRET=1.)"""
-    return _HAVE_TRITON and x.is_cuda and x.dtype in _SIXTEEN_BIT
+    return ENABLED and _HAVE_TRITON and x.is_cuda and x.dtype in _SIXTEEN_BIT
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
