@@ -1,0 +1,72 @@
+"""The engine with `attention_backend="flex"` on the CPU (FlexAttention's block masks, evaluated
+densely): greedy tokens equal the SDPA path's, batched equal alone, across chunked prompts, a cached
+prefix, GQA and sliding windows; the CUDA-graph decode path's static inputs build the same masks.
+tests/parity/test_cuda_flex.py runs the compiled kernel on a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.runtime.cuda_graphs import DecodeGraphs
+from conveyor.runtime.kv.cache import KVCache
+from conveyor.runtime.model_runner import ModelRunner
+
+NUM_TOKENS = 16
+PROMPT_LENS = (3, 17, 40, 9, 33, 5)   # contexts cross 1, 2, 4 blocks of 16 while decoding
+# Small caches: on the CPU every query scores every key of the cache.
+ENGINE = dict(dtype="float32", max_num_seqs=6, max_num_batched_tokens=32, num_kv_blocks=48, block_size=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    return prompts + [prompts[2] + prompts[0]]   # its first 32 tokens are cached blocks once prompt 2 ran
+
+
+@pytest.mark.parametrize("family", ("qwen2", "mistral", "gemma3"))   # GQA, a window on every layer, mixed windows
+def test_flex_gives_the_sdpa_paths_tokens_batched_and_alone(family: str,
+                                                             tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    folder = str(tiny_checkpoint_factory(family))
+    sdpa, flex = LLM(folder, attention_backend="sdpa", **ENGINE), LLM(folder, attention_backend="flex", **ENGINE)
+    assert flex.engine.core.runner.flex_cache_blocks == 48 and sdpa.engine.core.runner.flex_cache_blocks == 0
+    prompts = _prompts(flex.engine.core.model.arch.vocab_size)
+    want = [o.token_ids for o in sdpa.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in flex.generate(prompts, GREEDY)] == want
+    assert [flex.generate([p], GREEDY)[0].token_ids for p in prompts] == want
+
+
+def test_graph_inputs_build_the_same_masks(tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    """DecodeGraphs with flex off a GPU: the same static inputs run eagerly, in buckets of 2 rows and
+    2 blocks at least; tokens equal the plain flex engine's."""
+    folder = str(tiny_checkpoint_factory("gemma3"))
+    plain, graphed = LLM(folder, attention_backend="flex", **ENGINE), LLM(folder, attention_backend="flex", **ENGINE)
+    core = graphed.engine.core
+    cache = KVCache(core.model.arch, 48, 16, torch.float32, spare_block=True)
+    graphs = DecodeGraphs(core.model, cache, max_rows=6, max_blocks=8, flex=True)
+    core.runner, core.kv_cache = ModelRunner(core.model, cache, core.device, graphs, "flex"), cache
+    assert graphs.batch_sizes[0] == 2 and graphs.block_counts[0] == 2
+    prompts = _prompts(core.model.arch.vocab_size)[:4]
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in graphed.generate(prompts, GREEDY)] == want
+    assert [graphed.generate([p], GREEDY)[0].token_ids for p in prompts[:2]] == want[:2]
+    assert {2, 4} <= {size for size, _ in graphs.graphs}
+
+
+def test_flex_refuses_an_int8_cache(tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="attention_backend 'flex' reads a float KV cache"):
+        LLM(str(tiny_checkpoint_factory("qwen2")), attention_backend="flex", kv_cache_dtype="int8", **ENGINE)
+
+
+def test_unknown_backend_and_tensor_parallel_are_refused() -> None:
+    from conveyor.config import ModelConfig
+
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, sdpa, flex"):
+        ModelConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="runs in one process"):
+        ModelConfig(attention_backend="flex", tensor_parallel_size=2)
