@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from conveyor.model.attention_backends import flex_paged
 from conveyor.model.attention import RowSpec, attend, build_metadata
@@ -121,6 +121,54 @@ def test_eager_flex_attention_reads_the_same_block_masks() -> None:
             real = group.out_rows
             torch.testing.assert_close(ours.transpose(1, 2).reshape(-1, 4, 16)[real],
                                        theirs.transpose(1, 2).reshape(-1, 4, 16)[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_flex_on_the_cpu_visits_only_the_listed_blocks() -> None:
+    """torch.compile'd flex_attention (inductor's CPU template, ~1 min to compile on 2 cores) skips
+    unlisted blocks and evaluates no mask on full ones, as the GPU kernel does; dynamic sizes, so a
+    step of other sizes reuses the compile. Its template wants the block lists as wide as the cache."""
+    compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
+    for seed, window in ((0, None), (1, 40), (2, 40)):
+        q, k_cache, v_cache, rows = _case(4, 2, 16, 16, torch.float32, seed=seed)
+        if seed == 2:
+            rows = rows[:4] + rows[6:9]
+        num_blocks = k_cache.shape[0]
+        meta = build_metadata(rows, 16, window, CPU, flex_cache_blocks=num_blocks)
+        keys, values = (c.view(1, -1, 2, 16).transpose(1, 2) for c in (k_cache, v_cache))
+        for group in meta.flex.groups:
+            qg = q[group.query_index].transpose(1, 2)
+            for layer_window in {None, window}:
+                mask = group.masks[layer_window]
+                lists = list(mask.as_tuple()[2:6])
+                for i in (1, 3):
+                    lists[i] = torch.nn.functional.pad(lists[i], (0, num_blocks - lists[i].shape[-1]))
+                wide = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
+                                                seq_lengths=mask.seq_lengths, compute_q_blocks=False)
+                got = compiled(qg, keys, values, block_mask=wide, scale=0.25, enable_gqa=True)
+                want = flex_paged.dense_flex(qg, keys, values, mask, 0.25)
+                real = group.out_rows
+                torch.testing.assert_close(got.transpose(1, 2).reshape(-1, 4, 16)[real],
+                                           want.transpose(1, 2).reshape(-1, 4, 16)[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window",
+                         [(9, 3, 64, 16, None), (4, 1, 32, 16, 40), (6, 2, 64, 32, 24)])
+def test_compiled_flex_on_the_gpu_equals_the_sdpa_path(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                       block_size: int, window: int | None, dtype: torch.dtype) -> None:
+    """The compiled kernel visits only the listed blocks, evaluating mask_mod on the partial ones."""
+    cuda = torch.device("cuda")
+    q, k_cache, v_cache, rows = _case(num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+    q, k_cache, v_cache = (t.to(cuda, dtype) for t in (q, k_cache, v_cache))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for layer_window in {None, window}:
+        want = attend(q, k_cache, v_cache, build_metadata(rows, block_size, window, cuda), head_dim ** -0.5,
+                      layer_window)
+        meta = build_metadata(rows, block_size, window, cuda, flex_cache_blocks=k_cache.shape[0])
+        got = attend(q, k_cache, v_cache, meta, head_dim ** -0.5, layer_window)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_an_int8_cache_is_refused() -> None:

@@ -1,7 +1,8 @@
 """The engine with `attention_backend="flex"` on the CPU (FlexAttention's block masks, evaluated
 densely): greedy tokens equal the SDPA path's, batched equal alone, across chunked prompts, a cached
 prefix, GQA and sliding windows; the CUDA-graph decode path's static inputs build the same masks.
-tests/parity/test_cuda_flex.py runs the compiled kernel on a GPU."""
+On a CUDA GPU (skipped elsewhere): the compiled kernel, decode steps replayed from CUDA graphs, gives
+the SDPA path's tokens."""
 
 from __future__ import annotations
 
@@ -70,3 +71,19 @@ def test_unknown_backend_and_tensor_parallel_are_refused() -> None:
         ModelConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="runs in one process"):
         ModelConfig(attention_backend="flex", tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("family", ("qwen2", "gemma3"))
+def test_compiled_flex_with_graphs_gives_the_sdpa_tokens_on_the_gpu(family: str,
+                                                                     tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+    folder = str(tiny_checkpoint_factory(family))
+    on_gpu = dict(ENGINE, device="cuda", num_kv_blocks=256)
+    sdpa = LLM(folder, attention_backend="sdpa", enforce_eager=True, **on_gpu)
+    flex = LLM(folder, attention_backend="flex", **on_gpu)
+    prompts = _prompts(flex.engine.core.model.arch.vocab_size)
+    want = [o.token_ids for o in sdpa.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in flex.generate(prompts, GREEDY)] == want
+    assert [flex.generate([p], GREEDY)[0].token_ids for p in prompts] == want
+    graphs = flex.engine.runner.graphs
+    assert graphs is not None and graphs.failed is None and len(graphs.graphs) >= 2, graphs.failed

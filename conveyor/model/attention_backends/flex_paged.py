@@ -140,6 +140,9 @@ def flex_group(query_index: torch.Tensor, first_pos: torch.Tensor, num_query: to
 
 @functools.cache
 def _compiled_flex() -> Callable:
+    # Each shape class (decode or chunk, window or not, per model shape and dtype) compiles once; past
+    # dynamo's default of 8 it would fall back to eager flex_attention, which scores the whole cache.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(flex_attention, dynamic=True, fullgraph=True)
 
 
