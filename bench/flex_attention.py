@@ -3,12 +3,14 @@
     python -m bench.flex_attention [--rows 64] [--contexts 256,4096] [--device cuda]
 
 One decode step's attention over every layer (--shape: heads, kv heads, head dim, layers; SmolLM2-135M's
-by default) for --rows rows of each context length, each layer with its own cache (so no layer reads
-another's keys from the GPU's L2), in --dtype. Per backend and context: milliseconds per step for the
-attention calls (the GPU synchronised; the median of --repeats timed steps after warm-up, the first
-FlexAttention call compiling), and for building the step's metadata on the host; the largest
-difference between the two backends' outputs. A backend whose cost follows the tokens attended takes
-about 16x longer at 4096 than at 256; JSON to --out-dir.
+by default) for --rows rows, each layer with its own cache (so no layer reads another's keys from the
+GPU's L2), in --dtype. Cases: every row at each of --contexts, then "mixed": one row at the longest,
+the others at the shortest. Per backend and case: milliseconds per step for the attention calls (the
+GPU synchronised; the median of --repeats timed steps after warm-up, the first FlexAttention call
+compiling), and for building the step's metadata on the host; the largest difference between the two
+backends' outputs. A backend whose cost follows the tokens attended takes about 16x longer at 4096
+than at 256, and "mixed" costs it about what the shortest case does (SDPA pads every row to the
+longest); JSON to --out-dir.
 """
 
 from __future__ import annotations
@@ -29,17 +31,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(rows: int, context: int, shape: tuple[int, int, int, int], block_size: int, dtype: torch.dtype,
+def measure(contexts: list[int], shape: tuple[int, int, int, int], block_size: int, dtype: torch.dtype,
             device: torch.device, repeats: int) -> dict:
+    """contexts: one per row, in tokens."""
     num_heads, num_kv_heads, head_dim, num_layers = shape
-    blocks_per_row = -(-context // block_size)
-    num_blocks = rows * blocks_per_row
+    rows = len(contexts)
+    counts = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(counts)
     gen = torch.Generator(device=device).manual_seed(0)
     caches = [(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype),
                torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype))
               for _ in range(num_layers)]
     order = torch.randperm(num_blocks).tolist()   # scattered blocks, as a busy cache holds them
-    specs = [RowSpec(i, 1, context, order[i * blocks_per_row:(i + 1) * blocks_per_row]) for i in range(rows)]
+    firsts = [sum(counts[:i]) for i in range(rows)]
+    specs = [RowSpec(i, 1, contexts[i], order[firsts[i]:firsts[i] + counts[i]]) for i in range(rows)]
     q = torch.randn(rows, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     scale = head_dim ** -0.5
     result: dict = {}
@@ -81,15 +86,18 @@ def main() -> None:
     args = p.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    lengths = [int(c) for c in args.contexts.split(",")]
+    cases = {str(n): [n] * args.rows for n in lengths}
+    cases["mixed"] = [max(lengths)] + [min(lengths)] * (args.rows - 1)
     figures = {}
-    for context in (int(c) for c in args.contexts.split(",")):
-        fig = figures[context] = measure(args.rows, context, shape, args.block_size, dtype, device, args.repeats)
-        print(f"{args.rows} rows x {context:5d} tokens: sdpa {fig['sdpa']['attention_ms']:8.3f} ms "
+    for name, contexts in cases.items():
+        fig = figures[name] = measure(contexts, shape, args.block_size, dtype, device, args.repeats)
+        print(f"{args.rows} rows, context {name:>5s}: sdpa {fig['sdpa']['attention_ms']:8.3f} ms "
               f"(+{fig['sdpa']['metadata_ms']:.2f} ms metadata), flex {fig['flex']['attention_ms']:8.3f} ms "
               f"(+{fig['flex']['metadata_ms']:.2f} ms metadata), max |diff| {fig['max_abs_diff']:.2e}", flush=True)
     report.save_run("flex-attention", args.out_dir, {
         "rows": args.rows, "shape": {"heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2], "layers": shape[3]},
-        "block_size": args.block_size, "dtype": args.dtype, "device": args.device, "by_context": figures})
+        "block_size": args.block_size, "dtype": args.dtype, "device": args.device, "by_case": figures})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`python -m bench.flex_attention` end to end on the CPU with tiny sizes: both backends timed at each
-context, their outputs agree, and the JSON names the command. No timed assertions."""
+context and the mixed one, their outputs agree, and the JSON names the command. No timed assertions."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_flex_bench_times_both_backends_per_context(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("flex-attention-*.json")
     document = json.loads(path.read_text())
     assert document["command"].startswith("python -m bench.flex_attention --device cpu")
-    assert set(document["by_context"]) == {"40", "100"}
-    for fig in document["by_context"].values():
+    assert set(document["by_case"]) == {"40", "100", "mixed"}
+    for fig in document["by_case"].values():
         assert fig["sdpa"]["attention_ms"] > 0 and fig["flex"]["attention_ms"] > 0
         assert fig["max_abs_diff"] < 1e-4

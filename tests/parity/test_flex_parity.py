@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.cli.flags import engine_options, parse_args
+from conveyor.config import EngineConfig, ModelConfig
 from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.kv.cache import KVCache
 from conveyor.runtime.model_runner import ModelRunner
@@ -64,9 +66,12 @@ def test_flex_refuses_an_int8_cache(tiny_checkpoint_factory: Callable[[str], Pat
         LLM(str(tiny_checkpoint_factory("qwen2")), attention_backend="flex", kv_cache_dtype="int8", **ENGINE)
 
 
-def test_unknown_backend_and_tensor_parallel_are_refused() -> None:
-    from conveyor.config import ModelConfig
-
+def test_the_flag_reaches_the_config_and_bad_values_are_refused() -> None:
+    options = engine_options(parse_args(["serve", "--device", "cuda", "--attention-backend", "flex"]))
+    assert EngineConfig.from_options(**options).model.attention_backend == "flex"
+    assert EngineConfig.from_options(**engine_options(parse_args(["serve"]))).model.attention_backend == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--attention-backend", "flash"])
     with pytest.raises(ValueError, match="attention_backend must be one of auto, sdpa, flex"):
         ModelConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="runs in one process"):
@@ -74,7 +79,7 @@ def test_unknown_backend_and_tensor_parallel_are_refused() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-@pytest.mark.parametrize("family", ("qwen2", "gemma3"))
+@pytest.mark.parametrize("family", ("qwen2", pytest.param("gemma3", marks=pytest.mark.slow)))   # compiles dominate
 def test_compiled_flex_with_graphs_gives_the_sdpa_tokens_on_the_gpu(family: str,
                                                                      tiny_checkpoint_factory: Callable[[str], Path]) -> None:
     folder = str(tiny_checkpoint_factory(family))
