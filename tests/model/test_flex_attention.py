@@ -165,12 +165,11 @@ def test_compiled_flex_on_the_gpu_equals_the_sdpa_path(num_heads: int, num_kv_he
     q, k_cache, v_cache, rows = _case(num_heads, num_kv_heads, head_dim, block_size, torch.float32)
     q, k_cache, v_cache = (t.to(cuda, dtype) for t in (q, k_cache, v_cache))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for layer_window in {None, window}:
-        want = attend(q, k_cache, v_cache, build_metadata(rows, block_size, window, cuda), head_dim ** -0.5,
-                      layer_window)
-        meta = build_metadata(rows, block_size, window, cuda, flex_cache_blocks=k_cache.shape[0])
-        got = attend(q, k_cache, v_cache, meta, head_dim ** -0.5, layer_window)
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # The window's masks only (each mask class compiles anew): the engine's GPU test runs global layers.
+    want = attend(q, k_cache, v_cache, build_metadata(rows, block_size, window, cuda), head_dim ** -0.5, window)
+    meta = build_metadata(rows, block_size, window, cuda, flex_cache_blocks=k_cache.shape[0])
+    got = attend(q, k_cache, v_cache, meta, head_dim ** -0.5, window)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_an_int8_cache_is_refused() -> None:
