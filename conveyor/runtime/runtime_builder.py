@@ -107,9 +107,12 @@ def build_runtime(config: EngineConfig) -> Runtime:
                     "(--enforce-eager: off)", max_rows)
     runner = (TensorParallelRunner(model, kv_cache, device, comm, workers) if comm is not None
               else ModelRunner(model, kv_cache, device, graphs, backend))
-    if backend == "flex":
-        logger.info("attention: FlexAttention reading the KV blocks in place%s",
-                    " (compiled at first use of each shape class)" if device.type == "cuda" else "")
+    if backend == "flex" and device.type == "cuda":
+        logger.info("attention: FlexAttention reading the KV blocks in place (compiled at first use of each "
+                    "shape class)")
+    elif backend == "flex":
+        logger.warning("attention: FlexAttention off a GPU scores every key of the KV cache for every query "
+                       "(its reference semantics, for tests): slow with a large cache")
     return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
                    max_model_len, num_threads)
 

@@ -44,6 +44,22 @@ def test_flex_gives_the_sdpa_paths_tokens_batched_and_alone(family: str,
     assert [flex.generate([p], GREEDY)[0].token_ids for p in prompts] == want
 
 
+def test_the_bundled_model_with_its_16_bit_cache_gives_the_sdpa_tokens() -> None:
+    """The real file: quantized weights, float32 activations beside a float16 KV cache, 30 layers, GQA."""
+    pytest.importorskip("gguf")
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three uses of copper:"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engine = dict(kv_cache_memory="24MiB", max_num_batched_tokens=32)
+    want = LLM(attention_backend="sdpa", **engine).generate(prompts, params)
+    flex = LLM(attention_backend="flex", **engine)
+    assert flex.engine.core.kv_cache.dtype == torch.float16
+    got = flex.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # Both read the float16 cache as float32: the logprobs agree far below float16's own rounding.
+    for ours, theirs in zip(got, want):
+        assert [p.top[0][1] for p in ours.logprobs] == pytest.approx([p.top[0][1] for p in theirs.logprobs], abs=1e-4)
+
+
 def test_graph_inputs_build_the_same_masks(tiny_checkpoint_factory: Callable[[str], Path]) -> None:
     """DecodeGraphs with flex off a GPU: the same static inputs run eagerly, in buckets of 2 rows and
     2 blocks at least; tokens equal the plain flex engine's."""

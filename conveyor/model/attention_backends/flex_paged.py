@@ -180,8 +180,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     if k_cache.dtype == torch.int8:
         raise ValueError("FlexAttention reads a float KV cache: an int8 cache runs on the C attention kernel")
     on_gpu = q.device.type == "cuda"
+    if not on_gpu:   # the dense reference reads the cache in the queries' dtype, as the SDPA path gathers it
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     for group in plan.groups:
         rows, num_query_slots = group.query_index.shape
+        # The kernel reads the cache in place: a 16-bit cache beside float32 queries meets them in 16 bits.
         qg = q[group.query_index].transpose(1, 2).to(keys.dtype)                           # (B, H, Lq, D)
         block_mask = group.masks[window]
         if on_gpu:
