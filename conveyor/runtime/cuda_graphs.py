@@ -45,7 +45,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_rows: int, max_blocks: int, flex: bool = False) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_rows: int, max_blocks: int,
+                 flex: bool = False) -> None:
         if kv_cache.spare_block is None:
             raise ValueError("CUDA graphs need a KV cache with a spare block for their padding rows")
         self.model, self.kv_cache = model, kv_cache

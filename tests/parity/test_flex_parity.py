@@ -96,8 +96,8 @@ def test_the_flag_reaches_the_config_and_bad_values_are_refused() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 @pytest.mark.parametrize("family", ("qwen2", pytest.param("gemma3", marks=pytest.mark.slow)))   # compiles dominate
-def test_compiled_flex_with_graphs_gives_the_sdpa_tokens_on_the_gpu(family: str,
-                                                                     tiny_checkpoint_factory: Callable[[str], Path]) -> None:
+def test_compiled_flex_with_graphs_gives_the_sdpa_tokens_on_the_gpu(
+        family: str, tiny_checkpoint_factory: Callable[[str], Path]) -> None:
     folder = str(tiny_checkpoint_factory(family))
     on_gpu = dict(ENGINE, device="cuda", num_kv_blocks=256)
     sdpa = LLM(folder, attention_backend="sdpa", enforce_eager=True, **on_gpu)
