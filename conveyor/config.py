@@ -14,6 +14,9 @@ KV_CACHE_DTYPES, KV_CACHE_DTYPE_ALIASES = (*DTYPES, "int8"), {"q8_0": "int8"}   
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+# auto: the C kernel on CPU where built, else torch's SDPA over gathered blocks; sdpa: always the latter;
+# flex: FlexAttention reading the cache blocks in place (compiled on CUDA). See model/flex_paged.py.
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -27,6 +30,7 @@ class ModelConfig:
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
     tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
     enforce_eager: bool = False       # cuda: run decode steps eagerly, not replayed from CUDA graphs
+    attention_backend: str = "auto"   # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -42,6 +46,11 @@ class ModelConfig:
         if self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto"):
             raise ValueError(f"quantization {self.quantization!r} runs with float32 activations; "
                              f"got dtype {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "flex" and self.tensor_parallel_size > 1:
+            raise ValueError("attention_backend 'flex' runs in one process: drop tensor_parallel_size")
         _positive("threads", self.threads, allow_none=True)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from conveyor import __version__
 from conveyor.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_flags, speculative_options
 from conveyor.config import (
+    ATTENTION_BACKENDS,
     BATCH_PRESETS,
     DEFAULT_BATCH_PRESET,
     DEFAULT_KV_CACHE_MEMORY,
@@ -48,6 +49,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
     group.add_argument("--enforce-eager", action="store_true",
                        help="cuda: run every step eagerly instead of replaying decode steps from CUDA graphs")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=ModelConfig.attention_backend,
+                       help="auto: the C kernel on CPU (torch SDPA without it), SDPA over gathered blocks on CUDA; "
+                            "sdpa: always that; flex: FlexAttention reading the KV blocks in place, so a step "
+                            "costs the tokens its rows attend (compiled on CUDA at first use; float KV cache only)")
     group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=None,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "
                             f"together; those flags, when given, win (default: {DEFAULT_BATCH_PRESET} on the CPU, "
@@ -163,7 +168,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "chat_template": args.chat_template, "quantization": args.quantization, "threads": args.threads,
         "tensor_parallel_size": args.tensor_parallel_size, "device": args.device,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
         "batch_preset": args.batch_preset, **_given(args, "max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"),
         **({} if args.target_itl_ms is None else {"target_itl_ms": args.target_itl_ms or None}),
         **_given(args, "long_prefill_token_threshold"),

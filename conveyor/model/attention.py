@@ -10,6 +10,9 @@ attention call per group and layer, never a Python loop per row or token.
 On CPU the C kernel (kernels/attention.c) replaces the groups: every query of the step, decode or
 prompt, goes through one code path straight from the cache blocks, so a token's result does not
 depend on how its prompt was chunked or batched, even in bfloat16.
+
+The FlexAttention backend (flex_paged.py) keeps the groups but reads the cache blocks in place,
+steered by a block mask, instead of gathering them: a step costs what its rows attend.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.nn import functional as F
 
 from conveyor import kernels
 from conveyor.model import kv_quant
+from conveyor.model.attention_backends import flex_paged
 
 
 @dataclass(slots=True)
@@ -51,6 +55,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor    # (T,) long: cache slot (block_id * block_size + offset) per token
     groups: list[AttentionGroup]  # the torch path
     kernel: KernelPlan | None = None  # the C kernel path (float32 or bfloat16 on CPU), instead of groups
+    flex: flex_paged.FlexPlan | None = None   # FlexAttention over the blocks in place, instead of groups
 
     @property
     def use_kernel(self) -> bool:
@@ -67,25 +72,30 @@ class RowSpec:
     block_table: list[int]
 
 
-def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                device: torch.device) -> AttentionGroup:
-    """Pad a set of rows into one attention group (vectorised mask construction)."""
-    num_rows = len(rows)
-    max_query = max(r.num_query for r in rows)
-    max_blocks = max(len(r.block_table) for r in rows)
-    num_keys = max_blocks * block_size
-
-    starts = torch.tensor([r.token_start for r in rows], dtype=torch.long)
-    num_query = torch.tensor([r.num_query for r in rows], dtype=torch.long)
-    context_len = torch.tensor([r.context_len for r in rows], dtype=torch.long)
-    tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in rows],
-                          dtype=torch.long)
-
+def _pad(rows: list[RowSpec], num_rows: int, max_query: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Rows padded to (num_rows, max_query) queries and (num_rows, max_blocks) blocks: padding rows have
+    no queries and tables of block 0. Returns (first positions, query counts, tables, query_index, is_real)."""
+    pad = num_rows - len(rows)
+    starts = torch.tensor([r.token_start for r in rows] + [0] * pad, dtype=torch.long)
+    num_query = torch.tensor([r.num_query for r in rows] + [0] * pad, dtype=torch.long)
+    context_len = torch.tensor([r.context_len for r in rows] + [0] * pad, dtype=torch.long)
+    tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in rows]
+                          + [[0] * max_blocks] * pad, dtype=torch.long)
     offsets = torch.arange(max_query)                                 # (Lq,)
     is_real = offsets[None, :] < num_query[:, None]                   # (B, Lq)
     query_index = torch.where(is_real, starts[:, None] + offsets[None, :], 0)
+    return context_len - num_query, num_query, tables, query_index, is_real
+
+
+def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None,
+                device: torch.device) -> AttentionGroup:
+    """Pad a set of rows into one attention group (vectorised mask construction)."""
+    max_query = max(r.num_query for r in rows)
+    max_blocks = max(len(r.block_table) for r in rows)
+    num_keys = max_blocks * block_size
+    first_pos, _, tables, query_index, is_real = _pad(rows, len(rows), max_query, max_blocks)
     # Position of each query in its sequence; a key at position j is visible iff j <= that.
-    query_pos = (context_len - num_query)[:, None] + offsets[None, :]  # (B, Lq)
+    query_pos = first_pos[:, None] + torch.arange(max_query)[None, :]  # (B, Lq)
     key_pos = torch.arange(num_keys)                                   # (Lk,)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]            # (B, Lq, Lk)
     window_mask = None
@@ -101,6 +111,22 @@ def build_group(rows: list[RowSpec], block_size: int, sliding_window: int | None
         out_rows=out_rows.to(device),
         out_tokens=query_index.reshape(-1)[out_rows].to(device),
     )
+
+
+def build_flex_group(rows: list[RowSpec], block_size: int, sliding_window: int | None, device: torch.device,
+                     num_cache_blocks: int, q_block: int) -> flex_paged.FlexGroup:
+    """Rows padded as for build_group, without masks: their block masks are built on the device.
+    Sizes of 1 (rows, blocks) and prompt chunks are padded up so compiled shapes stay few."""
+    max_query = max(r.num_query for r in rows)
+    if max_query > 1:
+        max_query = max(2 * q_block, -(-max_query // q_block) * q_block)
+    max_blocks = max(2, max(len(r.block_table) for r in rows))
+    first_pos, num_query, tables, query_index, is_real = _pad(rows, max(2, len(rows)), max_query, max_blocks)
+    out_rows = is_real.reshape(-1).nonzero().squeeze(1)
+    windows = (None,) if sliding_window is None else (None, sliding_window)
+    return flex_paged.flex_group(query_index.to(device), first_pos.to(device), num_query.to(device),
+                                 tables.to(device), out_rows.to(device), query_index.reshape(-1)[out_rows].to(device),
+                                 block_size, num_cache_blocks, windows, q_block)
 
 
 def build_kernel_plan(rows: list[RowSpec], tile_size: int) -> KernelPlan:
@@ -122,9 +148,10 @@ def build_kernel_plan(rows: list[RowSpec], tile_size: int) -> KernelPlan:
 
 
 def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | None,
-                   device: torch.device, kernel_tile_size: int = 0) -> AttentionMetadata:
+                   device: torch.device, kernel_tile_size: int = 0, flex_cache_blocks: int = 0) -> AttentionMetadata:
     """Slot mapping for the rows' new tokens, and either the C kernel's plan (kernel_tile_size > 0,
-    CPU) or the rows split into decode and prefill groups for torch.
+    CPU) or the rows split into decode and prefill groups for torch: FlexAttention over a cache of
+    `flex_cache_blocks` blocks (allocated, spare included) when that is > 0, else SDPA.
 
     Decode rows (one query each) and prefill chunks are padded separately, so a long chunk never
     pads hundreds of decode rows to its length.
@@ -139,6 +166,11 @@ def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | N
         return AttentionMetadata(slot_mapping, [], build_kernel_plan(rows, kernel_tile_size))
     decode = [r for r in rows if r.num_query == 1]
     prefill = [r for r in rows if r.num_query > 1]
+    if flex_cache_blocks > 0:
+        plan = flex_paged.FlexPlan([
+            build_flex_group(g, block_size, sliding_window, device, flex_cache_blocks, q_block)
+            for g, q_block in ((decode, flex_paged.DECODE_Q_BLOCK), (prefill, flex_paged.PREFILL_Q_BLOCK)) if g])
+        return AttentionMetadata(slot_mapping, [], flex=plan)
     groups = [build_group(g, block_size, sliding_window, device) for g in (decode, prefill) if g]
     return AttentionMetadata(slot_mapping, groups)
 
@@ -195,6 +227,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         plan = meta.kernel
         return kernels.paged_attention(q, k_cache, v_cache, plan.block_tables, plan.rows, plan.context_lens,
                                        plan.tokens, plan.tile_start, scale, window, out)
+    if meta.flex is not None:
+        return flex_paged.attend(q, k_cache, v_cache, meta.flex, scale, window, out)
     for group in meta.groups:
         rows, max_query = group.query_index.shape
         num_keys = group.block_tables.shape[1] * block_size

@@ -21,7 +21,7 @@ class Batch:
 
 
 def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
-                device: torch.device, kernel_tile_size: int = 0) -> Batch:
+                device: torch.device, kernel_tile_size: int = 0, flex_cache_blocks: int = 0) -> Batch:
     input_ids: list[int] = []
     positions: list[int] = []
     rows: list[RowSpec] = []
@@ -40,7 +40,7 @@ def build_batch(plan: StepPlan, block_size: int, sliding_window: int | None,
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=build_metadata(rows, block_size, sliding_window, device, kernel_tile_size),
+        meta=build_metadata(rows, block_size, sliding_window, device, kernel_tile_size, flex_cache_blocks),
         logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
         sampling_ids=sampling_ids,
     )

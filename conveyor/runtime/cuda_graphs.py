@@ -10,6 +10,10 @@ request owns. The graph ends at the last layer's hidden states; the final norm a
 run eagerly on the rows to sample (a few launches, and no per-graph logits buffer kept alive).
 
 Prompt chunks, speculative verification and steps larger than the biggest bucket run eagerly.
+
+With FlexAttention the graph builds its block masks from the same static inputs (flex_paged.py: tensor
+arithmetic only); its buckets start at 2 rows and 2 blocks, as the eager path pads them, so that
+the compiled attention sees no size of 1.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.core.plan import StepPlan
+from conveyor.model.attention_backends import flex_paged
 from conveyor.model.attention import AttentionGroup, AttentionMetadata
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.kv.cache import KVCache
@@ -40,16 +45,19 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_rows: int, max_blocks: int) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_rows: int, max_blocks: int,
+                 flex: bool = False) -> None:
         if kv_cache.spare_block is None:
             raise ValueError("CUDA graphs need a KV cache with a spare block for their padding rows")
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.tensor.device
         self.block_size = kv_cache.block_size
         self.window = model.arch.sliding_window
-        self.batch_sizes = sorted({b for b in BATCH_SIZES if b < max_rows} | {max_rows})
-        self.block_counts = sorted({1 << i for i in range(max_blocks.bit_length()) if 1 << i < max_blocks}
-                                   | {max_blocks})
+        self.flex = flex
+        least = 2 if flex else 1
+        self.batch_sizes = sorted({max(b, least) for b in BATCH_SIZES if b < max_rows} | {max(max_rows, least)})
+        self.block_counts = sorted({max(1 << i, least) for i in range(max_blocks.bit_length()) if 1 << i < max_blocks}
+                                   | {max(max_blocks, least)})
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.failed: str | None = None   # why capturing failed; every step then runs eagerly
@@ -88,19 +96,30 @@ class DecodeGraphs:
         spare = self.kv_cache.spare_block
         return [0, 0, spare * self.block_size, 1, spare, *[0] * (blocks - 1)]
 
+    def _flex_metadata(self, inputs: torch.Tensor, rows: torch.Tensor) -> AttentionMetadata:
+        """One decode query per row, its block masks built on the device from the static inputs."""
+        windows = (None,) if self.window is None else (None, self.window)
+        group = flex_paged.flex_group(
+            rows[:, None], inputs[:, 3] - 1, torch.ones_like(rows), inputs[:, _COLUMNS:], rows, rows,
+            self.block_size, self.kv_cache.tensor.shape[2], windows, flex_paged.DECODE_Q_BLOCK)
+        return AttentionMetadata(slot_mapping=inputs[:, 2].contiguous(), groups=[], flex=flex_paged.FlexPlan([group]))
+
     def _capture(self, size: int, blocks: int) -> _Graph | None:
         inputs = torch.tensor([self._padding_row(blocks)] * size, dtype=torch.long, device=self.device)
         key_pos = torch.arange(blocks * self.block_size, device=self.device)
         rows = torch.arange(size, device=self.device)
         window = self.window
 
-        def forward() -> torch.Tensor:
+        def sdpa_metadata() -> AttentionMetadata:
             context = inputs[:, 3:4]                                                   # (B, 1)
             mask = key_pos[None, :] < context                                          # (B, Lk)
             window_mask = None if window is None else (mask & (key_pos[None, :] >= context - window))[:, None, None]
             group = AttentionGroup(query_index=rows[:, None], block_tables=inputs[:, _COLUMNS:],
                                    mask=mask[:, None, None], window_mask=window_mask, out_rows=rows, out_tokens=rows)
-            meta = AttentionMetadata(slot_mapping=inputs[:, 2].contiguous(), groups=[group])
+            return AttentionMetadata(slot_mapping=inputs[:, 2].contiguous(), groups=[group])
+
+        def forward() -> torch.Tensor:
+            meta = self._flex_metadata(inputs, rows) if self.flex else sdpa_metadata()
             return self.model.hidden_states(inputs[:, 0].contiguous(), inputs[:, 1].contiguous(), meta,
                                             self.kv_cache.layers)
 

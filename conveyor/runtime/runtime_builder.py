@@ -92,19 +92,27 @@ def build_runtime(config: EngineConfig) -> Runtime:
                          f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
     phase_started = time.perf_counter()
     use_graphs = device.type == "cuda" and not config.model.enforce_eager
+    backend = config.model.attention_backend
     kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, kv_dtype, device,
-                       transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device) > 0,
+                       transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device, backend) > 0,
                        spare_block=use_graphs)
     logger.info("start-up: KV cache of %d blocks of %d tokens (%.2f GiB) allocated in %.2f s", num_blocks,
                 cache_cfg.block_size, kv_cache.tensor.nbytes / 2**30, time.perf_counter() - phase_started)
     graphs = None
     if use_graphs:
         max_rows = config.scheduler.max_num_seqs
-        graphs = DecodeGraphs(model, kv_cache, max_rows, -(-max_model_len // cache_cfg.block_size))
+        graphs = DecodeGraphs(model, kv_cache, max_rows, -(-max_model_len // cache_cfg.block_size),
+                              flex=backend == "flex")
         logger.info("start-up: decode steps of up to %d rows replay CUDA graphs, each captured on first use "
                     "(--enforce-eager: off)", max_rows)
     runner = (TensorParallelRunner(model, kv_cache, device, comm, workers) if comm is not None
-              else ModelRunner(model, kv_cache, device, graphs))
+              else ModelRunner(model, kv_cache, device, graphs, backend))
+    if backend == "flex" and device.type == "cuda":
+        logger.info("attention: FlexAttention reading the KV blocks in place (compiled at first use of each "
+                    "shape class)")
+    elif backend == "flex":
+        logger.warning("attention: FlexAttention off a GPU scores every key of the KV cache for every query "
+                       "(its reference semantics, for tests): slow with a large cache")
     return Runtime(model_path, device, dtype, quantization, kernel_library, model, kv_cache, runner,
                    max_model_len, num_threads)
 
@@ -143,13 +151,15 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
     kv_dtype, _ = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
     model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization)
     block_size = config.cache.block_size
+    backend = config.model.attention_backend
     kv_cache = KVCache(model.arch, runtime.kv_cache.num_blocks, block_size, kv_dtype, device,
-                       transposed_keys=kernel_tile_size(model, block_size, device) > 0)
+                       transposed_keys=kernel_tile_size(model, block_size, device, backend) > 0)
     max_model_len = min(runtime.max_model_len, model.arch.max_position_embeddings)
     logger.info("start-up: draft model %s (%s, %s weights, KV cache of %d blocks) ready in %.2f s", draft_path,
                 str(dtype).removeprefix("torch."), getattr(model, "weight_formats", None) or quantization,
                 kv_cache.num_blocks, time.perf_counter() - started)
-    return DraftModelProposer(ModelRunner(model, kv_cache, device), max_model_len, runtime.model.vocab_size)
+    return DraftModelProposer(ModelRunner(model, kv_cache, device, attention_backend=backend), max_model_len,
+                              runtime.model.vocab_size)
 
 
 def log_batching(config: EngineConfig, with_proposer: bool) -> None:
