@@ -14,6 +14,7 @@ KV_CACHE_DTYPES, KV_CACHE_DTYPE_ALIASES = (*DTYPES, "int8"), {"q8_0": "int8"}   
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+QUANTIZED_LAYERS = ("auto", "torch")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -27,6 +28,9 @@ class ModelConfig:
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the checkpoint's
     tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
     enforce_eager: bool = False       # cuda: run decode steps eagerly, not replayed from CUDA graphs
+    # "auto": a GGUF file kept quantized runs on the C kernels on the CPU, in torch's layers on a GPU;
+    # "torch": in torch's layers on any device (how tests run the GPU's path on the CPU)
+    quantized_layers: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -39,7 +43,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto"):
+        if self.quantized_layers not in QUANTIZED_LAYERS:
+            raise ValueError(f"quantized_layers must be one of {', '.join(QUANTIZED_LAYERS)}, "
+                             f"got {self.quantized_layers!r}")
+        if (self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto")
+                and self.device == "cpu" and self.quantized_layers != "torch"):
             raise ValueError(f"quantization {self.quantization!r} runs with float32 activations; "
                              f"got dtype {self.dtype!r}")
         _positive("threads", self.threads, allow_none=True)

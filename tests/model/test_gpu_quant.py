@@ -1,7 +1,7 @@
 """GGUF blocks kept on the device (model/gguf/gpu_quant.py), run here on CPU tensors: the torch
 dequantization equals gguf's `quants.dequantize` bit for bit in every format it takes, on fully random
 blocks (every scale bit set somewhere) at odd shapes; the layer and the embedding compute with exactly
-those weights; the fused Triton matvec (gpu_matvec.py, where Triton imports: TRITON_INTERPRET=1 on a CPU)
+those weights; the fused Triton matmul (gpu_matmul.py, where Triton imports: TRITON_INTERPRET=1 on a CPU)
 equals the torch path."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conveyor.model.gguf import gpu_matvec
+from conveyor.model.gguf import gpu_matmul
 from conveyor.model.gguf.gpu_quant import BLOCKS, GpuQuantEmbedding, GpuQuantLinear, dequantize
 
 # Byte offsets of each format's float16 fields: random bytes there could be NaN or infinite.
@@ -78,18 +78,18 @@ def test_a_shape_that_does_not_fit_the_blocks_is_refused() -> None:
         GpuQuantLinear([("Q4_K", torch.zeros(4, 140, dtype=torch.uint8))], 256, None)
 
 
-@pytest.mark.skipif(not gpu_matvec.available(), reason="Triton is not installed")
+@pytest.mark.skipif(not gpu_matmul.available(), reason="Triton is not installed")
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="no CUDA GPU, and Triton's interpreter is off (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("type_name", list(gpu_matvec.FORMATS))
-def test_fused_matvec_equals_the_torch_path(type_name: str) -> None:
+@pytest.mark.parametrize("type_name", list(gpu_matmul.FORMATS))
+def test_fused_matmul_equals_the_torch_path(type_name: str) -> None:
     # Triton's interpreter mishandles bfloat16 loads; the kernel's arithmetic is the same in float16.
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float16)
     block = BLOCKS[type_name][0]
-    for rows, n, k in [(1, 33, 2 * block), (3, 16, 256 if block == 256 else 96), (8, 40, 512)]:
+    for rows, n, k in [(1, 33, 2 * block), (3, 16, 256 if block == 256 else 96), (8, 40, 512), (70, 20, 256)]:
         raw = torch.from_numpy(random_raw(type_name, n, k, seed=rows)).to(device)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(device, dtype)
         want = (x.float() @ dequantize(type_name, raw, k, dtype).float().t())
-        got = gpu_matvec.matvec(type_name, raw, x)
+        got = gpu_matmul.matmul(type_name, raw, x)
         assert got.dtype == dtype and got.shape == (rows, n)
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3 * want.abs().max().item())

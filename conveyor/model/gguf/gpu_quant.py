@@ -2,8 +2,9 @@
 
 Each layer holds its tensors' blocks as a uint8 tensor (rows, bytes per row) and dequantizes them to the
 activations' dtype with elementwise torch ops on every call (no host sync, no Python loop over blocks, so
-a decode step that uses them can be captured in a CUDA graph), then multiplies. Small batches on CUDA take
-a fused Triton kernel that reads the blocks once instead (gpu_matvec.py) where Triton is installed. The
+a decode step that uses them can be captured in a CUDA graph), then multiplies. On CUDA with 16-bit
+activations a fused Triton kernel dequantizes tiles in registers instead (gpu_matmul.py), where Triton
+is installed. The
 dequantization is gguf's `quants.dequantize`, op for op: float32 products of the float16 scales and the
 integer quants, rounded once to the output dtype.
 """
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conveyor.model.gguf import gpu_matvec
+from conveyor.model.gguf import gpu_matmul
 
 QK_K = 256
 # GGUF type name -> (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES gives them.
@@ -145,8 +146,8 @@ class GpuQuantLinear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gpu_matvec.applies(x, self.formats):
-            y = torch.cat([gpu_matvec.matvec(fmt, self.raw(i), x) for i, fmt in enumerate(self.formats)], dim=-1)
+        if gpu_matmul.applies(x, self.formats):
+            y = torch.cat([gpu_matmul.matmul(fmt, self.raw(i), x) for i, fmt in enumerate(self.formats)], dim=-1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 

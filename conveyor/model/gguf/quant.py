@@ -46,7 +46,7 @@ class KeepPlan:
     skipped: set[str] = field(default_factory=set)                 # file tensors the float loader skips
 
 
-def _layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
+def layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
     groups: dict[str, list[str]] = {}
     for i in range(arch.num_layers):
         fused_qkv, fused_gate_up = f"blk.{i}.attn_qkv.weight", f"blk.{i}.ffn_gate.weight" not in tensors
@@ -65,7 +65,7 @@ def plan_kept(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # n
     output channel where they differ (llama's q/k)."""
     tensors = {t.name: t for t in reader.tensors}
     plan = KeepPlan()
-    for module, names in _layer_groups(arch, tensors).items():
+    for module, names in layer_groups(arch, tensors).items():
         found = [tensors.get(name) for name in names]
         if any(t is None for t in found):
             continue   # the float loader reports what is missing
@@ -92,7 +92,7 @@ def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype) -> None:
     for module_path in plan.layers:
         if module_path == "lm_head" and model.lm_head is None:
             continue   # tied: made from the embedding's blocks in materialize
-        parent, name = _parent(model, module_path)
+        parent, name = module_parent(model, module_path)
         old = getattr(parent, name)
         setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
     if plan.embedding is not None:
@@ -111,7 +111,7 @@ def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
         if module_path == "lm_head" and model.lm_head is None:
             model.lm_head = QuantLinear(lib, weights, None)
             continue
-        parent, name = _parent(model, module_path)
+        parent, name = module_parent(model, module_path)
         setattr(parent, name, QuantLinear(lib, weights, getattr(parent, name).bias))
     kept = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()) if fmt in quant.FORMATS)
     requantized = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items()) if t not in quant.FORMATS)
@@ -137,11 +137,11 @@ def _weight(lib: KernelLibrary, part: Part) -> quant.QuantWeight:
         weight = quant.quantize_int8(torch.from_numpy(w if part.rows is None else w[part.rows]))
     else:
         weight = quant.repack(lib, part.fmt, raw, n, k, part.rows)
-    _release(raw)
+    release_pages(raw)
     return weight
 
 
-def _release(raw: np.ndarray) -> None:
+def release_pages(raw: np.ndarray) -> None:
     """Drop this process's mapping of a tensor's pages once it is repacked, so the file does not count
     twice in its memory. Safe for any read-only file mapping: a later read faults the pages back in
     from the page cache (the token embedding's rows)."""
@@ -158,7 +158,7 @@ def _release(raw: np.ndarray) -> None:
             pass   # only a memory figure depends on it
 
 
-def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+def module_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     *parents, name = path.split(".")
     module = model
     for part in parents:

@@ -1,6 +1,6 @@
-"""The Triton kernel of gpu_matvec.py (imported only where Triton is installed): one program per BLOCK_N
-output channels walks K in chunks of 256 weights, dequantizes the chunk's (BLOCK_N, 256) tile of GGUF
-blocks in registers and multiplies it with the step's rows, padded to ROWS for the tensor cores."""
+"""The Triton kernel of gpu_matmul.py (imported only where Triton is installed): one program per BLOCK_N
+output channels and ROWS rows of x walks K in chunks of 256 weights, dequantizes the chunk's
+(BLOCK_N, 256) tile of GGUF blocks in registers and multiplies it with those rows on the tensor cores."""
 
 import triton
 import triton.language as tl
@@ -58,12 +58,13 @@ def tile(row, e, FMT: tl.constexpr, SIZE: tl.constexpr):  # noqa: ANN001, ANN202
 
 
 @triton.jit
-def matvec(w_ptr, x_ptr, y_ptr, T, N, K, row_bytes, chunk_bytes,  # noqa: ANN001, ANN202
+def matmul(w_ptr, x_ptr, y_ptr, T, N, K, row_bytes, chunk_bytes,  # noqa: ANN001, ANN202
            FMT: tl.constexpr, SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """y (T, N) = x (T, K) @ W.T, W (N, K) in GGUF blocks of type FMT; one program per BLOCK_N outputs."""
+    """y (T, N) = x (T, K) @ W.T, W (N, K) in GGUF blocks of type FMT; program (i, j): outputs
+    i * BLOCK_N.. of rows j * ROWS.."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.arange(0, 256)
-    t = tl.arange(0, ROWS)
+    t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     n_ok = n < N
     rows = w_ptr + tl.where(n_ok, n, 0).to(tl.int64)[:, None] * row_bytes
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)

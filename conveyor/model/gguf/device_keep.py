@@ -1,0 +1,99 @@
+"""A GGUF file kept in its own formats on the model's device (a CUDA GPU; the CPU in tests): which layers
+stay as blocks, and moving their bytes there.
+
+Like quant.py for the C kernels, the plan is made from the tensor types alone; the kept layers are built
+as placeholders (their biases only), and `materialize` copies each kept tensor's blocks from the memory
+map to the device as they are, the q/k rows reordered where the loader reorders them (whole rows of
+blocks: exact). A layer with a part in a type gpu_quant.py does not take is dequantized by the float
+loader, as with `--quantization none`, and start-up names those types.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+from torch import nn
+
+from conveyor.model.gguf.gpu_quant import GpuQuantEmbedding, GpuQuantLinear, can_keep
+from conveyor.model.gguf.quant import FLOAT_TYPES, KeepPlan, Part, layer_groups, module_parent, release_pages
+from conveyor.model.quant import PendingQuantLinear
+
+logger = logging.getLogger(__name__)
+
+
+def plan_on_device(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # noqa: ANN001
+    """Which layers keep their blocks: those whose every part is of a type gpu_quant.py dequantizes."""
+    tensors = {t.name: t for t in reader.tensors}
+    plan = KeepPlan()
+    for module, names in layer_groups(arch, tensors).items():
+        found = [tensors.get(name) for name in names]
+        if any(t is None for t in found):
+            continue   # the float loader reports what is missing
+        k = int(found[0].shape[0])   # GGUF shapes list the row length first
+        if all(can_keep(t.tensor_type.name, k) for t in found):
+            plan.layers[module] = [Part(t, t.tensor_type.name, row_orders.get(t.name)) for t in found]
+            plan.skipped.update(names)
+    embed = tensors.get("token_embd.weight")
+    if embed is not None and can_keep(embed.tensor_type.name, int(embed.shape[0])):
+        plan.embedding = embed
+        plan.skipped.add(embed.name)
+    dequantized = Counter(t.tensor_type.name for t in reader.tensors
+                          if t.name not in plan.skipped and t.tensor_type.name not in FLOAT_TYPES)
+    if dequantized:
+        logger.info("GGUF tensors without a kept-quantized path on the device, dequantized to float: %s",
+                    ", ".join(f"{name} x{n}" for name, n in sorted(dequantized.items())))
+    return plan
+
+
+def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: str) -> None:
+    """On the meta-device model: kept layers become PendingQuantLinear (bias only); a kept embedding is
+    built now, its blocks copied to the device."""
+    for module_path in plan.layers:
+        if module_path == "lm_head" and model.lm_head is None:
+            continue   # tied: made from the embedding's blocks in materialize
+        parent, name = module_parent(model, module_path)
+        old = getattr(parent, name)
+        setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
+    if plan.embedding is not None:
+        t = plan.embedding
+        model.embed_tokens = GpuQuantEmbedding(t.tensor_type.name, _blocks(t.data, None, device),
+                                               int(t.shape[0]), dtype)
+
+
+def materialize(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: str) -> None:
+    """Copy every kept layer's blocks to the device and put the layers in place (after load_weights has
+    filled the placeholders' biases, which take the model's dtype)."""
+    started = time.perf_counter()
+    counts: Counter[str] = Counter()
+    embedding = model.embed_tokens if isinstance(model.embed_tokens, GpuQuantEmbedding) else None
+    for module_path, parts in plan.layers.items():
+        counts.update(part.fmt for part in parts)
+        segments = []
+        for part in parts:
+            if embedding is not None and part.tensor is plan.embedding and part.rows is None:
+                segments.append((part.fmt, embedding.qdata))   # a tied output layer shares the table's bytes
+            else:
+                segments.append((part.fmt, _blocks(part.tensor.data, part.rows, device)))
+        k = int(parts[0].tensor.shape[0])
+        if module_path == "lm_head" and model.lm_head is None:
+            model.lm_head = GpuQuantLinear(segments, k, None)
+            continue
+        parent, name = module_parent(model, module_path)
+        bias = getattr(parent, name).bias
+        setattr(parent, name, GpuQuantLinear(segments, k, None if bias is None else bias.to(dtype)))
+    model.weight_formats = ", ".join(f"{fmt.lower()} x{n}" for fmt, n in sorted(counts.items()))
+    logger.info("weights kept in the file's formats on %s: %s; token embedding %s; copied in %.2f s", device,
+                model.weight_formats or "none", embedding.type_name if embedding is not None else "float",
+                time.perf_counter() - started)
+
+
+def _blocks(raw: np.ndarray, rows: np.ndarray | None, device: str) -> torch.Tensor:
+    """A tensor's blocks (rows, bytes per row) as a uint8 tensor on the device, rows in our order."""
+    host = torch.from_numpy(np.array(raw if rows is None else raw[rows], dtype=np.uint8))
+    blocks = host.to(device)
+    release_pages(raw)
+    return blocks
