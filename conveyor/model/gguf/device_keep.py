@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from conveyor.model.gguf.gpu_quant import GpuQuantEmbedding, GpuQuantLinear, can_keep
-from conveyor.model.gguf.quant import FLOAT_TYPES, KeepPlan, Part, layer_groups, module_parent, release_pages
-from conveyor.model.quant import PendingQuantLinear
+from conveyor.model.gguf.quant import (FLOAT_TYPES, KeepPlan, Part, layer_groups, module_parent, place_layer_holders,
+                                       release_pages)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,7 @@ def plan_on_device(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:
 def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: str) -> None:
     """On the meta-device model: kept layers become PendingQuantLinear (bias only); a kept embedding is
     built now, its blocks copied to the device."""
-    for module_path in plan.layers:
-        if module_path == "lm_head" and model.lm_head is None:
-            continue   # tied: made from the embedding's blocks in materialize
-        parent, name = module_parent(model, module_path)
-        old = getattr(parent, name)
-        setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
+    place_layer_holders(model, plan)
     if plan.embedding is not None:
         t = plan.embedding
         model.embed_tokens = GpuQuantEmbedding(t.tensor_type.name, _blocks(t.data, None, device),

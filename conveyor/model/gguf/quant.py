@@ -89,15 +89,20 @@ def plan_kept(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # n
 def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype) -> None:
     """On the meta-device model: kept layers become PendingQuantLinear (bias only), a kept embedding a
     QuantEmbedding, so `to_empty` allocates nothing for their weights."""
+    place_layer_holders(model, plan)
+    if plan.embedding is not None:
+        t = plan.embedding
+        model.embed_tokens = QuantEmbedding(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]), dtype)
+
+
+def place_layer_holders(model: nn.Module, plan: KeepPlan) -> None:
+    """Kept layers become PendingQuantLinear: only their biases are allocated and loaded."""
     for module_path in plan.layers:
         if module_path == "lm_head" and model.lm_head is None:
             continue   # tied: made from the embedding's blocks in materialize
         parent, name = module_parent(model, module_path)
         old = getattr(parent, name)
         setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
-    if plan.embedding is not None:
-        t = plan.embedding
-        model.embed_tokens = QuantEmbedding(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]), dtype)
 
 
 def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
