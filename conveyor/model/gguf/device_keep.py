@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from conveyor.model.gguf.gpu_quant import GpuQuantEmbedding, GpuQuantLinear, can_keep
-from conveyor.model.gguf.quant import (FLOAT_TYPES, KeepPlan, Part, layer_groups, module_parent, place_layer_holders,
+from conveyor.model.gguf.quant import (FLOAT_TYPES, KeepPlan, Part, layer_tensors, module_parent, place_layer_holders,
                                        release_pages)
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,7 @@ def plan_on_device(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:
     """Which layers keep their blocks: those whose every part is of a type gpu_quant.py dequantizes."""
     tensors = {t.name: t for t in reader.tensors}
     plan = KeepPlan()
-    for module, names in layer_groups(arch, tensors).items():
-        found = [tensors.get(name) for name in names]
-        if any(t is None for t in found):
-            continue   # the float loader reports what is missing
-        k = int(found[0].shape[0])   # GGUF shapes list the row length first
+    for module, names, found, k in layer_tensors(arch, tensors):
         if all(can_keep(t.tensor_type.name, k) for t in found):
             plan.layers[module] = [Part(t, t.tensor_type.name, row_orders.get(t.name)) for t in found]
             plan.skipped.update(names)

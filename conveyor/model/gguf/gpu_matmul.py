@@ -34,10 +34,15 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, formats: list[str]) -> bool:
-    """Whether this matmul takes the fused kernel: 16-bit activations on CUDA (float32 ones take the torch
-    path, exact to the file's weights)."""
+    """Whether this matmul takes the fused kernel: 16-bit activations on a CUDA GPU with bfloat16 tensor
+    cores (float32 ones take the torch path, exact to the file's weights)."""
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and all(f in FORMATS for f in formats) and available())
+            and all(f in FORMATS for f in formats) and available() and _has_tensor_cores(x.device.index))
+
+
+@functools.cache
+def _has_tensor_cores(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def matmul(type_name: str, raw: torch.Tensor, x: torch.Tensor, block_n: int = 16) -> torch.Tensor:
@@ -55,6 +60,6 @@ def matmul(type_name: str, raw: torch.Tensor, x: torch.Tensor, block_n: int = 16
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     rows = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64   # tl.dot takes 16 at least
     grid = (-(-n // block_n), -(-num_rows // rows))
-    kernel[grid](raw, x, y, num_rows, n, k, raw.stride(0), 256 // block * size,
+    kernel[grid](raw, x, y, num_rows, n, k, raw.stride(0), 256 // block * size, -(-k // 256),
                  FMT=_CODES[type_name], SIZE=size, BLOCK_N=block_n, ROWS=rows)
     return y

@@ -12,6 +12,7 @@ import logging
 import mmap
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,17 +61,22 @@ def layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
     return groups
 
 
+def layer_tensors(arch, tensors: dict) -> Iterator[tuple[str, list[str], list, int]]:  # noqa: ANN001
+    """Each layer that could stay quantized: its module path, its tensors' names, the tensors and K. A
+    layer missing a tensor is left to the float loader, which reports what is missing."""
+    for module, names in layer_groups(arch, tensors).items():
+        found = [tensors.get(name) for name in names]
+        if all(t is not None for t in found):
+            yield module, names, found, int(found[0].shape[0])   # GGUF shapes list the row length first
+
+
 def plan_kept(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # noqa: ANN001
     """Which layers of the file stay quantized. `row_orders` maps a tensor name to the file row of each
     output channel where they differ (llama's q/k)."""
     tensors = {t.name: t for t in reader.tensors}
     plan = KeepPlan()
-    for module, names in layer_groups(arch, tensors).items():
-        found = [tensors.get(name) for name in names]
-        if any(t is None for t in found):
-            continue   # the float loader reports what is missing
+    for module, names, found, k in layer_tensors(arch, tensors):
         types = [t.tensor_type.name for t in found]
-        k = int(found[0].shape[0])   # GGUF shapes list the row length first
         if all(t in FLOAT_TYPES for t in types) or k % quant.QK:
             continue
         parts = []

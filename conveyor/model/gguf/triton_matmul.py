@@ -24,13 +24,15 @@ def tile(row, e, FMT: tl.constexpr, SIZE: tl.constexpr):  # noqa: ANN001, ANN202
         if FMT == 3:
             w = d * tl.load(blk + 2 + i).to(tl.int8, bitcast=True).to(tl.float32)
         else:
-            start = 2 if FMT == 0 else 4 if FMT == 1 else 6
-            q = (tl.load(blk + start + i % 16) >> ((i // 16) * 4)) & 15
+            shift = (i // 16) * 4
             if FMT == 0:
+                q = (tl.load(blk + 2 + i % 16) >> shift) & 15
                 w = d * (q.to(tl.int32) - 8).to(tl.float32)
             elif FMT == 1:
+                q = (tl.load(blk + 4 + i % 16) >> shift) & 15
                 w = d * q.to(tl.float32) + f16(blk + 2)
             else:
+                q = (tl.load(blk + 6 + i % 16) >> shift) & 15
                 high = (tl.load(blk + 2 + i // 8) >> (i % 8)) & 1
                 w = d * ((q | (high << 4)).to(tl.int32) - 16).to(tl.float32)
     elif FMT <= 5:   # Q4_K, Q5_K: 8 sub-blocks of 32, 6-bit scales and mins in 12 bytes at byte 4
@@ -58,17 +60,17 @@ def tile(row, e, FMT: tl.constexpr, SIZE: tl.constexpr):  # noqa: ANN001, ANN202
 
 
 @triton.jit
-def matmul(w_ptr, x_ptr, y_ptr, T, N, K, row_bytes, chunk_bytes,  # noqa: ANN001, ANN202
+def matmul(w_ptr, x_ptr, y_ptr, T, N, K, row_bytes, chunk_bytes, num_chunks,  # noqa: ANN001, ANN202
            FMT: tl.constexpr, SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     """y (T, N) = x (T, K) @ W.T, W (N, K) in GGUF blocks of type FMT; program (i, j): outputs
     i * BLOCK_N.. of rows j * ROWS.."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.arange(0, 256)
-    t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    t = (tl.program_id(1) * ROWS + tl.arange(0, ROWS)).to(tl.int64)   # t * K, t * N can pass 2**31
     n_ok = n < N
     rows = w_ptr + tl.where(n_ok, n, 0).to(tl.int64)[:, None] * row_bytes
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    for kc in range(0, tl.cdiv(K, 256)):
+    for kc in range(0, num_chunks):   # chunks of 256 along K, the last one masked
         k = kc * 256 + e
         k_ok = k < K
         w = tile(rows + kc * chunk_bytes, tl.where(k_ok, e, 0)[None, :], FMT, SIZE)
