@@ -51,8 +51,8 @@ def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: 
     place_layer_holders(model, plan)
     if plan.embedding is not None:
         t = plan.embedding
-        model.embed_tokens = GpuQuantEmbedding(t.tensor_type.name, _blocks(t.data, None, device),
-                                               int(t.shape[0]), dtype)
+        [(_, table)] = _segments([Part(t, t.tensor_type.name, None)], device)
+        model.embed_tokens = GpuQuantEmbedding(t.tensor_type.name, table, int(t.shape[0]), dtype)
 
 
 def materialize(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: str) -> None:
@@ -63,12 +63,10 @@ def materialize(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: st
     embedding = model.embed_tokens if isinstance(model.embed_tokens, GpuQuantEmbedding) else None
     for module_path, parts in plan.layers.items():
         counts.update(part.fmt for part in parts)
-        segments = []
-        for part in parts:
-            if embedding is not None and part.tensor is plan.embedding and part.rows is None:
-                segments.append((part.fmt, embedding.qdata))   # a tied output layer shares the table's bytes
-            else:
-                segments.append((part.fmt, _blocks(part.tensor.data, part.rows, device)))
+        if embedding is not None and parts[0].tensor is plan.embedding and parts[0].rows is None:
+            segments = [(parts[0].fmt, embedding.qdata)]   # a tied output layer shares the table's bytes
+        else:
+            segments = _segments(parts, device)
         k = int(parts[0].tensor.shape[0])
         if module_path == "lm_head" and model.lm_head is None:
             model.lm_head = GpuQuantLinear(segments, k, None)
@@ -82,9 +80,17 @@ def materialize(model: nn.Module, plan: KeepPlan, dtype: torch.dtype, device: st
                 time.perf_counter() - started)
 
 
-def _blocks(raw: np.ndarray, rows: np.ndarray | None, device: str) -> torch.Tensor:
-    """A tensor's blocks (rows, bytes per row) as a uint8 tensor on the device, rows in our order."""
-    host = torch.from_numpy(np.array(raw if rows is None else raw[rows], dtype=np.uint8))
-    blocks = host.to(device)
-    release_pages(raw)
-    return blocks
+def _segments(parts: list[Part], device: str) -> list[tuple[str, torch.Tensor]]:
+    """A layer's blocks on the device, one uint8 (rows, bytes per row) tensor per run of parts of one
+    type (q/k/v of one type: one matmul over their rows), rows in our order."""
+    runs: list[tuple[str, list[np.ndarray]]] = []
+    for part in parts:
+        raw = part.tensor.data
+        host = np.array(raw if part.rows is None else raw[part.rows], dtype=np.uint8)
+        release_pages(raw)
+        if runs and runs[-1][0] == part.fmt:
+            runs[-1][1].append(host)
+        else:
+            runs.append((part.fmt, [host]))
+    return [(fmt, torch.from_numpy(np.concatenate(hosts) if len(hosts) > 1 else hosts[0]).to(device))
+            for fmt, hosts in runs]
