@@ -27,7 +27,7 @@ pytest.importorskip("gguf")
 
 PROMPT_LENS = (5, 40, 130, 17)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-NEAR_TIE = 0.1   # logits; bfloat16 rounds a logit of a few units by about 0.01
+NEAR_TIE = 0.5   # logits: bfloat16 over a model's layers moves a logit of 20 by a tenth or two
 ENGINE = dict(device="cuda", kv_cache_memory="1GiB", max_num_seqs=8)
 
 
