@@ -56,6 +56,12 @@ def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dty
     return "gguf"
 
 
+def keeps_on_device(quantization: str, device: str, torch_layers: bool = False) -> bool:
+    """Whether a resolved quantization keeps a GGUF file's blocks on the device in torch's layers (a GPU,
+    or anywhere with `torch_layers`) rather than on the C kernels."""
+    return quantization == "gguf" and (torch_layers or device != "cpu")
+
+
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                kernel_library: KernelLibrary | None = None, quantization: str = "none",
                shard: Shard | None = None, comm: Collectives | None = None, torch_layers: bool = False) -> LlamaModel:
@@ -69,7 +75,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         raise ModelLoadError("tensor parallelism runs float weights: drop the quantization option")
     quantization = resolve_quantization(quantization, path, device, str(dtype).removeprefix("torch."),
                                         kernel_library, 1 if shard is None else 2, torch_layers)
-    on_device = quantization == "gguf" and (torch_layers or device != "cpu")
+    on_device = keeps_on_device(quantization, device, torch_layers)
     if quantization == "int8" and (kernel_library is None or dtype != torch.float32):
         logger.warning("quantization %s needs the C kernels and float32 activations; loading float weights",
                        quantization)

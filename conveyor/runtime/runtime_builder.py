@@ -19,7 +19,7 @@ from conveyor.config import EngineConfig
 from conveyor.kernels.build import KernelLibrary
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.llama import LlamaModel
-from conveyor.model.loader import load_model, resolve_quantization
+from conveyor.model.loader import keeps_on_device, load_model, resolve_quantization
 from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
@@ -143,8 +143,7 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
 def _on_kernels(quantization: str, device: torch.device, torch_layers: bool) -> bool:
     """Whether the weights run quantized on the C kernels (float32 activations, a float16 KV cache by
     default); torch's kept-quantized layers take the working dtype as float weights do."""
-    on_device = quantization == "gguf" and (device.type != "cpu" or torch_layers)
-    return quantization != "none" and not on_device
+    return quantization != "none" and not keeps_on_device(quantization, device.type, torch_layers)
 
 
 def log_batching(config: EngineConfig, with_proposer: bool) -> None:
