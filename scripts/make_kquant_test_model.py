@@ -92,8 +92,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "f16.gguf"
         write_f16(f16, args.like or default_model_path())
-        subprocess.run([args.quantize, "--token-embedding-type", "q4_k", str(f16), str(args.out), "Q4_K_M"],
-                       check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([args.quantize, "--token-embedding-type", "q4_k", str(f16), str(args.out), "Q4_K_M"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-quantize failed ({done.returncode}):\n{done.stderr[-4000:]}")
     types: dict[str, int] = {}
     for t in gguf.GGUFReader(args.out).tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
