@@ -18,16 +18,20 @@ from pathlib import Path
 from bench import report
 
 
-def measure(model: str | None, eager: bool, sizes: list[int], prompt_tokens: int, tokens: int,
-            vocab_high: int) -> dict:
+def measure(model: str | None, label: str, sizes: list[int], prompt_tokens: int, tokens: int,
+            vocab_high: int, **options: object) -> dict:
+    """One engine (`options` on top of the GPU defaults): per batch size, a warm-up then the timed run."""
     import torch
 
     from conveyor import LLM, SamplingParams
 
-    llm = LLM(model, device="cuda", max_num_seqs=max(sizes), kv_cache_memory="8GiB", enforce_eager=eager)
+    llm = LLM(model, **{"device": "cuda", "max_num_seqs": max(sizes), "kv_cache_memory": "8GiB", **options})
+    core = llm.engine.core
+    out: dict = {"weights": core.info.weights, "by_requests": {},
+                 "weight_bytes": sum(t.nbytes for t in (*core.model.parameters(), *core.model.buffers()))}
+    print(f"{label:6s} weights {out['weights']}: {out['weight_bytes'] / 2**20:.1f} MiB", flush=True)
     prompts = [[100 + (i * 7919 + j * 31) % (vocab_high - 100) for j in range(prompt_tokens)]
                for i in range(max(sizes))]
-    out: dict = {"by_requests": {}}
     for n in sizes:
         llm.generate(prompts[:n], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         torch.cuda.synchronize()
@@ -37,16 +41,33 @@ def measure(model: str | None, eager: bool, sizes: list[int], prompt_tokens: int
         wall = time.perf_counter() - started
         out["by_requests"][n] = {"tok_s": n * tokens / wall, "ms_per_step": 1000 * wall / tokens,
                                  "tokens": [o.token_ids for o in outputs]}
-        print(f"{'eager' if eager else 'graphs':6s} {n:4d} at once: {n * tokens / wall:9.1f} tok/s, "
+        print(f"{label:6s} {n:4d} at once: {n * tokens / wall:9.1f} tok/s, "
               f"{1000 * wall / tokens:6.2f} ms per step", flush=True)
     graphs = llm.engine.runner.graphs
     if graphs is not None:
         out["graphs_captured"] = sorted(graphs.graphs)
         out["graphs_failed"] = graphs.failed
     out["dtype"] = str(llm.engine.core.dtype).removeprefix("torch.")
-    del llm
+    del llm, core
     torch.cuda.empty_cache()
     return out
+
+
+def compare(runs: dict[str, dict], base: str, other: str, sizes: list[int]) -> dict:
+    """Per batch size: both tok/s, their ratio, and how many greedy sequences are identical; then drops
+    the sequences from `runs` (the JSON keeps the counts)."""
+    summary = {}
+    for n in sizes:
+        a, b = runs[base]["by_requests"][n], runs[other]["by_requests"][n]
+        same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+        summary[n] = {f"{base}_tok_s": a["tok_s"], f"{other}_tok_s": b["tok_s"],
+                      f"{other}_over_{base}": b["tok_s"] / a["tok_s"], "identical_greedy": f"{same}/{n}"}
+        print(f"{n:4d} at once: {other} / {base} {b['tok_s'] / a['tok_s']:.2f}x, "
+              f"greedy sequences identical {same}/{n}", flush=True)
+    for run in runs.values():
+        for fig in run["by_requests"].values():
+            fig.pop("tokens", None)
+    return summary
 
 
 def main() -> None:
@@ -62,19 +83,10 @@ def main() -> None:
 
     sizes = [int(n) for n in args.requests.split(",")]
     vocab_high = min(32_000, model_arch(args.model).vocab_size)
-    runs = {name: measure(args.model, name == "eager", sizes, args.prompt_tokens, args.tokens, vocab_high)
+    runs = {name: measure(args.model, name, sizes, args.prompt_tokens, args.tokens, vocab_high,
+                          enforce_eager=name == "eager")
             for name in ("eager", "graphs")}
-    summary = {}
-    for n in sizes:
-        eager, graphs = runs["eager"]["by_requests"][n], runs["graphs"]["by_requests"][n]
-        same = sum(a == b for a, b in zip(eager["tokens"], graphs["tokens"]))
-        summary[n] = {"eager_tok_s": eager["tok_s"], "graphs_tok_s": graphs["tok_s"],
-                      "graphs_over_eager": graphs["tok_s"] / eager["tok_s"], "identical_greedy": f"{same}/{n}"}
-        print(f"{n:4d} at once: graphs / eager {graphs['tok_s'] / eager['tok_s']:.2f}x, "
-              f"greedy sequences identical {same}/{n}", flush=True)
-    for run in runs.values():   # the sequences served the comparison above; the JSON keeps its counts
-        for fig in run["by_requests"].values():
-            del fig["tokens"]
+    summary = compare(runs, "eager", "graphs", sizes)
     report.save_run("cuda-decode", args.out_dir, {
         "model": args.model or "bundled", "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
         "summary": summary, "runs": runs})

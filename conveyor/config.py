@@ -17,6 +17,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 # auto: the C kernel on CPU where built, else torch's SDPA over gathered blocks; sdpa: always the latter;
 # flex: FlexAttention reading the cache blocks in place (compiled on CUDA). See model/flex_paged.py.
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+QUANTIZED_LAYERS = ("auto", "torch")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -31,6 +32,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1     # ranks that each hold a slice of every layer (gloo on loopback)
     enforce_eager: bool = False       # cuda: run decode steps eagerly, not replayed from CUDA graphs
     attention_backend: str = "auto"   # one of ATTENTION_BACKENDS
+    # "auto": a GGUF file kept quantized runs on the C kernels on the CPU, in torch's layers on a GPU;
+    # "torch": in torch's layers on any device (how tests run the GPU's path on the CPU)
+    quantized_layers: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -43,7 +47,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto"):
+        if self.quantized_layers not in QUANTIZED_LAYERS:
+            raise ValueError(f"quantized_layers must be one of {', '.join(QUANTIZED_LAYERS)}, "
+                             f"got {self.quantized_layers!r}")
+        if (self.quantization not in ("none", "auto") and self.dtype not in ("float32", "auto")
+                and self.device == "cpu" and self.quantized_layers != "torch"):
             raise ValueError(f"quantization {self.quantization!r} runs with float32 activations; "
                              f"got dtype {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

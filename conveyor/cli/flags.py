@@ -41,8 +41,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="a Jinja chat template file, or the template itself, instead of the model's own")
     group.add_argument("--quantization", choices=QUANTIZATIONS, default=ModelConfig.quantization,
                        help="auto: a GGUF file runs in its own formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, "
-                            "Q6_K, IQ4_NL, IQ4_XS kept; other quantized types requantized to Q8_0, said at start-up), "
-                            "a folder as loaded; none: weights "
+                            "Q6_K, IQ4_NL, IQ4_XS kept; other quantized types requantized to Q8_0, said at start-up; "
+                            "with --device cuda Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K kept on the GPU, others "
+                            "dequantized), a folder as loaded; none: weights "
                             "as loaded (GGUF dequantized to float); int8: linear layers in int8 (blocks of 32) from "
                             "any checkpoint; gguf: auto, refusing folders")
     group.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")

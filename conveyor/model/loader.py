@@ -14,6 +14,7 @@ import torch
 from conveyor.config import QUANTIZATIONS
 from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary
+from conveyor.model.gguf import device_keep
 from conveyor.model.gguf import quant as gguf_quant
 from conveyor.model.families import model_class
 from conveyor.model.gguf.model import arch_from_gguf, open_gguf, open_gguf_reader
@@ -27,9 +28,11 @@ from conveyor.model.sharding import Shard, layout, local_arch, shard_tensor
 logger = logging.getLogger(__name__)
 
 def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dtype: str = "auto",
-                         kernel_library: KernelLibrary | None = None, tensor_parallel_size: int = 1) -> str:
+                         kernel_library: KernelLibrary | None = None, tensor_parallel_size: int = 1,
+                         torch_layers: bool = False) -> str:
     """What `quantization` means for this checkpoint and machine: "auto" (and "gguf") keep a GGUF file's
-    formats ("gguf") where the quantized kernels can run them, else "none". Raises for "gguf" on a folder."""
+    formats ("gguf") where the quantized kernels can run them (the C kernels on the CPU; torch's layers
+    on a GPU, or anywhere with `torch_layers`), else "none". Raises for "gguf" on a folder."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "gguf" and not path.is_file():
@@ -37,13 +40,13 @@ def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dty
                              "folder: use 'int8' for float checkpoints")
     if quantization not in ("auto", "gguf"):
         return quantization
+    on_device = torch_layers or device != "cpu"
     reasons = [why for why, applies in (
         ("a Hugging Face folder holds float weights", not path.is_file()),
-        ("the quantized kernels run on the CPU", device != "cpu"),
         ("tensor parallelism runs float weights", tensor_parallel_size > 1),
         (f"dtype {dtype} was asked for (the quantized kernels take float32 activations)",
-         dtype not in ("auto", "float32")),
-        ("no C compiler to build the quantized kernels", kernel_library is None)) if applies]
+         not on_device and dtype not in ("auto", "float32")),
+        ("no C compiler to build the quantized kernels", not on_device and kernel_library is None)) if applies]
     if reasons:
         if quantization == "gguf":   # asked for by name: say it loudly
             logger.warning("quantization gguf not applied, weights dequantized to float: %s", "; ".join(reasons))
@@ -53,17 +56,26 @@ def resolve_quantization(quantization: str, path: Path, device: str = "cpu", dty
     return "gguf"
 
 
+def keeps_on_device(quantization: str, device: str, torch_layers: bool = False) -> bool:
+    """Whether a resolved quantization keeps a GGUF file's blocks on the device in torch's layers (a GPU,
+    or anywhere with `torch_layers`) rather than on the C kernels."""
+    return quantization == "gguf" and (torch_layers or device != "cpu")
+
+
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                kernel_library: KernelLibrary | None = None, quantization: str = "none",
-               shard: Shard | None = None, comm: Collectives | None = None) -> LlamaModel:
+               shard: Shard | None = None, comm: Collectives | None = None, torch_layers: bool = False) -> LlamaModel:
     """Build the model for a resolved path and fill in its weights; with a kernel library, the
     linear layers run on its packed matmul, or on weights kept quantized (see model/quant.py).
     `quantization` goes through `resolve_quantization` (a resolved value comes out unchanged).
+    A GGUF file kept quantized off the CPU (or anywhere with `torch_layers`) keeps its blocks on the
+    device in torch's layers (model/gguf/gpu_quant.py), with activations of any dtype.
     With a shard (and its rank's collectives), only that rank's slice of every tensor is kept."""
     if shard is not None and quantization not in ("none", "auto"):
         raise ModelLoadError("tensor parallelism runs float weights: drop the quantization option")
     quantization = resolve_quantization(quantization, path, device, str(dtype).removeprefix("torch."),
-                                        kernel_library, 1 if shard is None else 2)
+                                        kernel_library, 1 if shard is None else 2, torch_layers)
+    on_device = keeps_on_device(quantization, device, torch_layers)
     if quantization == "int8" and (kernel_library is None or dtype != torch.float32):
         logger.warning("quantization %s needs the C kernels and float32 activations; loading float weights",
                        quantization)
@@ -73,7 +85,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
     try:
         if path.is_file():
             arch, weights, freq_factors, plan = open_gguf(path, keep=quantization == "gguf",
-                                                          kernel_library=kernel_library)
+                                                          kernel_library=kernel_library, on_device=on_device)
         else:
             arch, weights, freq_factors = open_hf_folder(path)
         if shard is not None and arch.family != "llama":
@@ -88,14 +100,18 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
         else:
             with torch.device("meta"):
                 model = model_class(arch)(arch, freq_factors).to(dtype=dtype)
-            if plan is not None:
+            if plan is not None and on_device:
+                device_keep.place_holders(model, plan, dtype, device)
+            elif plan is not None:
                 gguf_quant.place_holders(model, plan, dtype)
         _materialize(model, device)
         for rotary in model.modules():
             if isinstance(rotary, RotaryEmbedding):
                 rotary.inv_freq = rotary.inv_freq.to(device)
         model.load_weights(weights)
-        if plan is not None:
+        if plan is not None and on_device:
+            device_keep.materialize(model, plan, dtype, device)
+        elif plan is not None:
             gguf_quant.materialize(model, plan, kernel_library)
     except ModelLoadError:
         raise

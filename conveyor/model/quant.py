@@ -5,7 +5,10 @@
   parts of a fused q/k/v or gate/up keep their own formats as segments of one layer); tensors of
   another quantized type are dequantized once and requantized to Q8_0 (float types stay float); the
   token embedding stays in the file's blocks and only the looked-up rows are dequantized. Hugging
-  Face folders, CUDA, tensor parallelism or an explicit non-float32 dtype resolve auto to none.
+  Face folders, tensor parallelism or an explicit non-float32 dtype resolve auto to none. On a CUDA
+  GPU the layers of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors and the token table keep the
+  file's blocks on the device in torch's layers instead (gguf/gpu_quant.py), with any dtype; other
+  layers are dequantized to it.
 - none: weights as loaded, in the model's dtype (GGUF tensors dequantized to float).
 - int8: every linear layer (and the output layer, tied or not) whose K is a multiple of 32 is
   quantized to symmetric int8 in blocks of 32 along K (Q8_0's layout), from the float weights.

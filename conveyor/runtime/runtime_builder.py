@@ -19,7 +19,7 @@ from conveyor.config import EngineConfig
 from conveyor.kernels.build import KernelLibrary
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.llama import LlamaModel, ModelArch
-from conveyor.model.loader import load_model, resolve_quantization
+from conveyor.model.loader import keeps_on_device, load_model, resolve_quantization
 from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
@@ -57,11 +57,13 @@ def build_runtime(config: EngineConfig) -> Runtime:
     if device.type == "cpu":
         logger.info("start-up: C kernels %s in %.2f s", "ready" if kernel_library is not None
                     else "unavailable (torch kernels)", time.perf_counter() - phase_started)
+    torch_layers = config.model.quantized_layers == "torch"
     quantization = resolve_quantization(config.model.quantization, model_path, device.type, config.model.dtype,
-                                        kernel_library, config.model.tensor_parallel_size)
-    dtype, why = choose_dtype(config.model.dtype, device, kernel_library, quantized=quantization != "none")
+                                        kernel_library, config.model.tensor_parallel_size, torch_layers)
+    on_kernels = _on_kernels(quantization, device, torch_layers)
+    dtype, why = choose_dtype(config.model.dtype, device, kernel_library, quantized=on_kernels)
     logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
-    kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
+    kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, on_kernels)
     logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), why)
     tp = config.model.tensor_parallel_size
     if kv_dtype == torch.int8 and (device.type != "cpu" or tp > 1):
@@ -73,7 +75,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
         num_threads = max(1, num_threads // tp)
         model, comm, workers = load_rank0(model_path, dtype, kernel_library, tp, num_threads)
     else:
-        model = load_model(model_path, dtype, config.model.device, kernel_library, quantization)
+        model = load_model(model_path, dtype, config.model.device, kernel_library, quantization,
+                           torch_layers=torch_layers)
     if model.kernels is not None:
         # The layers run on the kernels' own thread pool; torch keeps only small ops (embedding,
         # sampling), and its OpenMP workers would spin beside the pool's after each of them.
@@ -145,11 +148,14 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
     draft_path = resolve_model_path(spec.speculative_model)
     check_same_vocabulary(runtime.model_path, draft_path)
     device = runtime.device
+    torch_layers = config.model.quantized_layers == "torch"
     quantization = resolve_quantization(spec.speculative_model_quantization, draft_path, device.type,
-                                        config.model.dtype, runtime.kernel_library)
-    dtype, _ = choose_dtype(config.model.dtype, device, runtime.kernel_library, quantized=quantization != "none")
-    kv_dtype, _ = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, quantization != "none")
-    model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization)
+                                        config.model.dtype, runtime.kernel_library, torch_layers=torch_layers)
+    on_kernels = _on_kernels(quantization, device, torch_layers)
+    dtype, _ = choose_dtype(config.model.dtype, device, runtime.kernel_library, quantized=on_kernels)
+    kv_dtype, _ = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, on_kernels)
+    model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization,
+                       torch_layers=torch_layers)
     block_size = config.cache.block_size
     backend = config.model.attention_backend
     kv_cache = KVCache(model.arch, runtime.kv_cache.num_blocks, block_size, kv_dtype, device,
@@ -160,6 +166,12 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
                 kv_cache.num_blocks, time.perf_counter() - started)
     return DraftModelProposer(ModelRunner(model, kv_cache, device, attention_backend=backend), max_model_len,
                               runtime.model.vocab_size)
+
+
+def _on_kernels(quantization: str, device: torch.device, torch_layers: bool) -> bool:
+    """Whether the weights run quantized on the C kernels (float32 activations, a float16 KV cache by
+    default); torch's kept-quantized layers take the working dtype as float weights do."""
+    return quantization != "none" and not keeps_on_device(quantization, device.type, torch_layers)
 
 
 def log_batching(config: EngineConfig, with_proposer: bool) -> None:

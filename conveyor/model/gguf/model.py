@@ -12,6 +12,7 @@ import torch
 
 from conveyor.errors import ModelLoadError
 from conveyor.kernels import KernelLibrary
+from conveyor.model.gguf import device_keep
 from conveyor.model.gguf import quant as gguf_quant
 from conveyor.model.checkpoint import GGUF_ARCHITECTURES, SUPPORTED
 from conveyor.model.gguf.file import GGUFFile
@@ -160,12 +161,13 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | None = None
-               ) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None,
-                          gguf_quant.KeepPlan | None]:
-    """With `keep`, also the plan of which tensors stay in their formats (quant.py); the weights
-    iterator then dequantizes only the others. Every block scale and float weight is checked finite
-    before it is used (with the kernels' scan where given)."""
+def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | None = None,
+              on_device: bool = False) -> tuple[ModelArch, Iterator[tuple[str, torch.Tensor]], torch.Tensor | None,
+                                                gguf_quant.KeepPlan | None]:
+    """With `keep`, also the plan of which tensors stay in their formats (quant.py for the C kernels;
+    device_keep.py with `on_device`, for torch's layers); the weights iterator then dequantizes only
+    the others. Every block scale and float weight is checked finite before it is used (with the
+    kernels' scan where given)."""
     import gguf
 
     reader = open_gguf_reader(path)
@@ -177,10 +179,13 @@ def open_gguf(path: Path, keep: bool = False, kernel_library: KernelLibrary | No
             if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
                 heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
                 row_orders[t.name] = _unpermute_rope_rows(np.arange(int(t.shape[-1])), heads)
-    plan = gguf_quant.plan_kept(reader, arch, row_orders) if keep else None
+    plan = None
+    if keep:
+        plan = (device_keep.plan_on_device if on_device else gguf_quant.plan_kept)(reader, arch, row_orders)
     skipped = plan.skipped if plan is not None else set()
-    # A kept layer's tensors are scanned just before their repack reads them (quant.py), the rest now.
-    repacked = {part.tensor.name for parts in (plan.layers.values() if plan else ()) for part in parts}
+    # A repacked layer's tensors are scanned just before the repack reads them (quant.py), the rest now.
+    repacked = {part.tensor.name for parts in (plan.layers.values() if plan and not on_device else ())
+                for part in parts}
     check_finite([t for t in reader.tensors if t.name not in repacked], kernel_library)
     freq_factors = None
     for t in reader.tensors:

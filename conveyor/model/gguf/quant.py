@@ -12,6 +12,7 @@ import logging
 import mmap
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,7 @@ class KeepPlan:
     skipped: set[str] = field(default_factory=set)                 # file tensors the float loader skips
 
 
-def _layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
+def layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
     groups: dict[str, list[str]] = {}
     for i in range(arch.num_layers):
         fused_qkv, fused_gate_up = f"blk.{i}.attn_qkv.weight", f"blk.{i}.ffn_gate.weight" not in tensors
@@ -60,17 +61,22 @@ def _layer_groups(arch, tensors: dict) -> dict[str, list[str]]:  # noqa: ANN001
     return groups
 
 
+def layer_tensors(arch, tensors: dict) -> Iterator[tuple[str, list[str], list, int]]:  # noqa: ANN001
+    """Each layer that could stay quantized: its module path, its tensors' names, the tensors and K. A
+    layer missing a tensor is left to the float loader, which reports what is missing."""
+    for module, names in layer_groups(arch, tensors).items():
+        found = [tensors.get(name) for name in names]
+        if all(t is not None for t in found):
+            yield module, names, found, int(found[0].shape[0])   # GGUF shapes list the row length first
+
+
 def plan_kept(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # noqa: ANN001
     """Which layers of the file stay quantized. `row_orders` maps a tensor name to the file row of each
     output channel where they differ (llama's q/k)."""
     tensors = {t.name: t for t in reader.tensors}
     plan = KeepPlan()
-    for module, names in _layer_groups(arch, tensors).items():
-        found = [tensors.get(name) for name in names]
-        if any(t is None for t in found):
-            continue   # the float loader reports what is missing
+    for module, names, found, k in layer_tensors(arch, tensors):
         types = [t.tensor_type.name for t in found]
-        k = int(found[0].shape[0])   # GGUF shapes list the row length first
         if all(t in FLOAT_TYPES for t in types) or k % quant.QK:
             continue
         parts = []
@@ -89,15 +95,20 @@ def plan_kept(reader, arch, row_orders: dict[str, np.ndarray]) -> KeepPlan:  # n
 def place_holders(model: nn.Module, plan: KeepPlan, dtype: torch.dtype) -> None:
     """On the meta-device model: kept layers become PendingQuantLinear (bias only), a kept embedding a
     QuantEmbedding, so `to_empty` allocates nothing for their weights."""
-    for module_path in plan.layers:
-        if module_path == "lm_head" and model.lm_head is None:
-            continue   # tied: made from the embedding's blocks in materialize
-        parent, name = _parent(model, module_path)
-        old = getattr(parent, name)
-        setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
+    place_layer_holders(model, plan)
     if plan.embedding is not None:
         t = plan.embedding
         model.embed_tokens = QuantEmbedding(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]), dtype)
+
+
+def place_layer_holders(model: nn.Module, plan: KeepPlan) -> None:
+    """Kept layers become PendingQuantLinear: only their biases are allocated and loaded."""
+    for module_path in plan.layers:
+        if module_path == "lm_head" and model.lm_head is None:
+            continue   # tied: made from the embedding's blocks in materialize
+        parent, name = module_parent(model, module_path)
+        old = getattr(parent, name)
+        setattr(parent, name, PendingQuantLinear(old.in_features, old.out_features, old.bias is not None))
 
 
 def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
@@ -111,7 +122,7 @@ def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
         if module_path == "lm_head" and model.lm_head is None:
             model.lm_head = QuantLinear(lib, weights, None)
             continue
-        parent, name = _parent(model, module_path)
+        parent, name = module_parent(model, module_path)
         setattr(parent, name, QuantLinear(lib, weights, getattr(parent, name).bias))
     kept = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()) if fmt in quant.FORMATS)
     requantized = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items()) if t not in quant.FORMATS)
@@ -137,11 +148,11 @@ def _weight(lib: KernelLibrary, part: Part) -> quant.QuantWeight:
         weight = quant.quantize_int8(torch.from_numpy(w if part.rows is None else w[part.rows]))
     else:
         weight = quant.repack(lib, part.fmt, raw, n, k, part.rows)
-    _release(raw)
+    release_pages(raw)
     return weight
 
 
-def _release(raw: np.ndarray) -> None:
+def release_pages(raw: np.ndarray) -> None:
     """Drop this process's mapping of a tensor's pages once it is repacked, so the file does not count
     twice in its memory. Safe for any read-only file mapping: a later read faults the pages back in
     from the page cache (the token embedding's rows)."""
@@ -158,7 +169,7 @@ def _release(raw: np.ndarray) -> None:
             pass   # only a memory figure depends on it
 
 
-def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+def module_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     *parents, name = path.split(".")
     module = model
     for part in parents:
