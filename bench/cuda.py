@@ -79,13 +79,13 @@ def workload(n: int, prompt_tokens: int, tokens: int, vocab_high: int, salt: int
 
 
 def offline(model: str, device: str, rows: list[int], prompt_tokens: int, tokens: int, vocab_high: int,
-            kv_memory: str) -> dict:
+            kv_memory: str, engine: dict) -> dict:
     import torch
 
     from conveyor import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model, device=device, kv_cache_memory=kv_memory, max_num_seqs=max(rows))
+    llm = LLM(model, device=device, kv_cache_memory=kv_memory, max_num_seqs=max(rows), **engine)
     out: dict = {"start_s": time.perf_counter() - started, "by_rows": {}}
     runner = llm.engine.runner
     out["weight_bytes"] = sum(t.numel() * t.element_size()
@@ -119,10 +119,11 @@ def offline(model: str, device: str, rows: list[int], prompt_tokens: int, tokens
 
 
 def served(model: str, device: str, rows: list[int], prompt_tokens: int, tokens: int, vocab_high: int,
-           kv_memory: str, log_dir: Path) -> dict:
+           kv_memory: str, engine: dict, log_dir: Path) -> dict:
     port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     cmd = conveyor_command(port, model=model, threads=4, dtype=None, quantization=None, kv_cache_memory=kv_memory,
-                           max_num_seqs=max(rows), extra=["--device", device])
+                           max_num_seqs=max(rows), extra=["--device", device, *flags])
     out: dict = {"command": " ".join(cmd[2:]), "by_rows": {}}
     with launched(cmd, port, log_dir / f"conveyor-serve-{port}.log", startup_timeout_s=600) as server:
         out["start_s"] = server.startup_s
@@ -200,6 +201,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="16GiB", help="the same KV cache for offline and served")
     p.add_argument("--systems", default="offline,served,transformers")
+    p.add_argument("--quantization", default=None, help="conveyor's --quantization (default: its own)")
+    p.add_argument("--attention-backend", default=None, help="conveyor's --attention-backend (default: its own)")
     p.add_argument("--label", default="", help="a name for the JSON file (e.g. bundled, 0.5b)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args()
@@ -221,11 +224,13 @@ def main() -> None:
     bandwidth = copy_bandwidth(args.device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     shape = (args.device, rows, args.prompt_tokens, args.tokens, vocab_high)
+    engine = {k: v for k, v in (("quantization", args.quantization), ("attention_backend", args.attention_backend))
+              if v is not None}
     results = {}
     if "offline" in systems:
-        results["offline"] = _guarded("offline", offline, model, *shape, args.kv_cache_memory)
+        results["offline"] = _guarded("offline", offline, model, *shape, args.kv_cache_memory, engine)
     if "served" in systems:
-        results["served"] = _guarded("served", served, model, *shape, args.kv_cache_memory, work)
+        results["served"] = _guarded("served", served, model, *shape, args.kv_cache_memory, engine, work)
     if "transformers" in systems:
         results["transformers"] = _guarded("transformers", transformers_batch, model, *shape)
     summary: dict = {"copy_bandwidth_bytes_s": bandwidth}
@@ -247,7 +252,8 @@ def main() -> None:
         summary[n] = line
         print(f"{n:4d} at once: " + ", ".join(f"{k} {v:.2f}x" for k, v in line.items() if k != "tok_s"), flush=True)
     name = "cuda" + (f"-{args.label}" if args.label else "")
-    report.save_run(name, args.out_dir, {"model": args.shape or model, "rows": rows, "tokens": args.tokens,
+    report.save_run(name, args.out_dir, {"model": args.shape or model, "engine": engine, "rows": rows,
+                                         "tokens": args.tokens,
                                          "prompt_tokens": args.prompt_tokens, "summary": summary,
                                          "results": results})
     shutil.rmtree(work, ignore_errors=True)

@@ -19,55 +19,20 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 ENABLED = True   # the benchmarks turn it off to measure the torch ops beside these kernels in one run
 
-if _HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-        dtype = out_ptr.dtype.element_ty
-        normed = (x * inv).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + offs, (normed * w).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
-
-    @triton.jit
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, token_stride, head_stride, table_stride, D: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        token, head = tl.program_id(0), tl.program_id(1)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < D
-        base = x_ptr + token * token_stride + head * head_stride
-        x = tl.load(base + offs, mask=mask, other=0.0)
-        rolled = tl.load(base + (offs + D // 2) % D, mask=mask, other=0.0)
-        c = tl.load(cos_ptr + token * table_stride + offs, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + token * table_stride + offs, mask=mask, other=0.0)
-        dtype = x.dtype
-        a = (x.to(tl.float32) * c.to(tl.float32)).to(dtype, fp_downcast_rounding="rtne")
-        b = (rolled.to(tl.float32) * s.to(tl.float32)).to(dtype, fp_downcast_rounding="rtne")
-        out = (a.to(tl.float32) + b.to(tl.float32)).to(dtype, fp_downcast_rounding="rtne")
-        tl.store(base + offs, out, mask=mask)
-
-    @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, BLOCK: tl.constexpr):
-        row, part = tl.program_id(0), tl.program_id(1)
-        offs = part * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
-        tl.store(out_ptr + row * out_stride + offs, (act * up).to(dtype, fp_downcast_rounding="rtne"), mask=mask)
-
-
 def available(x: torch.Tensor) -> bool:
     """Whether the layers send `x` through these kernels: 16-bit, on a CUDA GPU, Triton installed. (The
     tests call the kernels on CPU tensors under Triton's interpreter, TRITON_INTERPRET=1.)"""
     return ENABLED and _HAVE_TRITON and x.is_cuda and x.dtype in _SIXTEEN_BIT
+
+
+def _jit():  # noqa: ANN202 - the module of kernels
+    from conveyor.kernels import triton_layer_jit
+
+    return triton_layer_jit
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,8 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), n, eps,
-                                  BLOCK=triton.next_power_of_2(n))
+        _jit().rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=_pow2(n))
     return out
 
 
@@ -86,8 +50,8 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> to
     qk's dtype (layers.RotaryEmbedding.cos_sin's tables). Returns qk."""
     tokens, heads, d = qk.shape
     if tokens:
-        _rotary_kernel[(tokens, heads)](qk, cos, signed_sin, qk.stride(0), qk.stride(1), cos.stride(0), D=d,
-                                        BLOCK=triton.next_power_of_2(d))
+        _jit().rotary_kernel[(tokens, heads)](qk, cos, signed_sin, qk.stride(0), qk.stride(1), cos.stride(0),
+                                              D=d, BLOCK=_pow2(d))
     return qk
 
 
@@ -98,6 +62,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+        _jit().silu_mul_kernel[(rows, -(-n // block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                         BLOCK=block)
     return out
