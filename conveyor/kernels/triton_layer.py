@@ -2,11 +2,11 @@
 
 A GPU decode step of a small model costs its kernel count, not its arithmetic: replayed from a CUDA
 graph, each of a layer's ~47 kernels still takes a few microseconds. In torch ops a bfloat16 RMSNorm is
-eight kernels, RoPE five, SiLU-and-multiply two; here each is one, with the same arithmetic and the same
-rounding to the 16-bit type after each operation as the torch ops (to nearest even; Triton's CPU
-interpreter truncates instead, so the tests allow it a step) (the layer's callers keep those as
-the reference and the path everywhere else: CPU, float32, no Triton). `available(x)` says whether `x`
-takes this path.
+eight kernels, RoPE five, SiLU-and-multiply two; here each is one (one row's decode on an H200: 3.24 ->
+1.96 ms a step on a Qwen2.5-0.5B shape). The arithmetic and the rounding to the 16-bit type after each
+operation are the torch ops'; values may still differ by a 16-bit step where the GPU's exp or float32
+summation order differs from torch's kernels. The torch ops stay the path everywhere else (CPU,
+float32, no Triton); `available(x)` says whether `x` takes this one.
 """
 
 from __future__ import annotations
