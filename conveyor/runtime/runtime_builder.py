@@ -58,13 +58,10 @@ def build_runtime(config: EngineConfig) -> Runtime:
         logger.info("start-up: C kernels %s in %.2f s", "ready" if kernel_library is not None
                     else "unavailable (torch kernels)", time.perf_counter() - phase_started)
     torch_layers = config.model.quantized_layers == "torch"
-    quantization = resolve_quantization(config.model.quantization, model_path, device.type, config.model.dtype,
-                                        kernel_library, config.model.tensor_parallel_size, torch_layers)
-    on_kernels = _on_kernels(quantization, device, torch_layers)
-    dtype, why = choose_dtype(config.model.dtype, device, kernel_library, quantized=on_kernels)
+    quantization, (dtype, why), (kv_dtype, kv_why) = _formats(config, config.model.quantization, model_path, device,
+                                                              kernel_library)
     logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
-    kv_dtype, why = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, on_kernels)
-    logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), why)
+    logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), kv_why)
     tp = config.model.tensor_parallel_size
     if kv_dtype == torch.int8 and (device.type != "cpu" or tp > 1):
         raise ValueError("kv_cache_dtype int8 runs on the CPU in one process for now: not yet on "
@@ -148,14 +145,10 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
     draft_path = resolve_model_path(spec.speculative_model)
     check_same_vocabulary(runtime.model_path, draft_path)
     device = runtime.device
-    torch_layers = config.model.quantized_layers == "torch"
-    quantization = resolve_quantization(spec.speculative_model_quantization, draft_path, device.type,
-                                        config.model.dtype, runtime.kernel_library, torch_layers=torch_layers)
-    on_kernels = _on_kernels(quantization, device, torch_layers)
-    dtype, _ = choose_dtype(config.model.dtype, device, runtime.kernel_library, quantized=on_kernels)
-    kv_dtype, _ = choose_kv_dtype(config.cache.kv_cache_dtype, dtype, on_kernels)
+    quantization, (dtype, _), (kv_dtype, _) = _formats(config, spec.speculative_model_quantization, draft_path,
+                                                       device, runtime.kernel_library)
     model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization,
-                       torch_layers=torch_layers)
+                       torch_layers=config.model.quantized_layers == "torch")
     block_size = config.cache.block_size
     backend = config.model.attention_backend
     kv_cache = KVCache(model.arch, runtime.kv_cache.num_blocks, block_size, kv_dtype, device,
@@ -166,6 +159,18 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
                 kv_cache.num_blocks, time.perf_counter() - started)
     return DraftModelProposer(ModelRunner(model, kv_cache, device, attention_backend=backend), max_model_len,
                               runtime.model.vocab_size)
+
+
+def _formats(config: EngineConfig, option: str, path: Path, device: torch.device,
+             kernel_library: KernelLibrary | None) -> tuple[str, tuple[torch.dtype, str], tuple[torch.dtype, str]]:
+    """A model file's weights (quantization `option` resolved), working dtype and KV cache dtype, each
+    dtype with why it was chosen: the same rules for the model and its draft."""
+    torch_layers = config.model.quantized_layers == "torch"
+    quantization = resolve_quantization(option, path, device.type, config.model.dtype, kernel_library,
+                                        config.model.tensor_parallel_size, torch_layers)
+    on_kernels = _on_kernels(quantization, device, torch_layers)
+    dtype = choose_dtype(config.model.dtype, device, kernel_library, quantized=on_kernels)
+    return quantization, dtype, choose_kv_dtype(config.cache.kv_cache_dtype, dtype[0], on_kernels)
 
 
 def _on_kernels(quantization: str, device: torch.device, torch_layers: bool) -> bool:
