@@ -21,6 +21,7 @@ from conveyor.engine.messages import (
     CoreInfo,
     CoreLoad,
     CoreRequest,
+    RequestMetrics,
     Shutdown,
     StepOutputs,
     TokenDelta,
@@ -28,6 +29,7 @@ from conveyor.engine.messages import (
 from conveyor.front.output_processor import OutputProcessor
 from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 
 INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=3, block_size=16, startup_s=0.0)
@@ -158,8 +160,11 @@ def test_error_delta_carries_its_message(tokenizer: Tokenizer) -> None:
 
 
 def test_messages_survive_pickling() -> None:
-    outputs = StepOutputs([TokenDelta("r", [5], finish_reason="stop", stop_reason=7)], CoreLoad(1, 2, 3, 0.5),
-                          rejected=[("q", QueueFull("full"))], num_added=2)
+    outputs = StepOutputs([TokenDelta("r", [5], finish_reason="stop", stop_reason=7),
+                           TokenDelta("s", [6, 7], [TokenLogprobs(6, -0.5, [(6, -0.5)]), TokenLogprobs(7, -1.0, [])],
+                                      error="boom", prompt_logprobs=[None, PromptLogprob(-2.0, 1, [(3, -2.0)])],
+                                      metrics=RequestMetrics(1.0, 1.5, 2.0, 3.0, 4, 2, 0, 0))],
+                          CoreLoad(1, 2, 3, 0.5), rejected=[("q", QueueFull("full"))], num_added=2)
     again = pickle.loads(pickle.dumps(outputs))
     assert again.deltas == outputs.deltas and again.load == outputs.load and again.num_added == 2
     (request_id, error), = again.rejected
