@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 from bench import report, servers
 
@@ -92,7 +93,8 @@ def tiny_model(out_dir: Path) -> Path:
 
 
 def prompts(count: int, length: int, vocab_high: int) -> list[list[int]]:
-    return [[100 + (i * 7919 + j * 31) % (vocab_high - 100) for j in range(length)] for i in range(count)]
+    """Distinct token-id prompts (no shared prefix to cache), ids in [3, vocab_high): past the usual specials."""
+    return [[3 + (i * 7919 + j * 31) % (vocab_high - 3) for j in range(length)] for i in range(count)]
 
 
 def offline(model: str, device: str, threads: int, preset: str, sizes: list[int], prompt_tokens: int,
@@ -107,11 +109,13 @@ def offline(model: str, device: str, threads: int, preset: str, sizes: list[int]
     for n in sizes:
         batch = prompts(n, prompt_tokens, vocab_high)
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        started = time.perf_counter()
-        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        wall = time.perf_counter() - started
+        started, cpu_before = time.perf_counter(), time.process_time()
+        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+                               use_tqdm=False)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_before
         produced = sum(len(o.token_ids) for o in outputs)
-        out[n] = {"tok_s": produced / wall, "wall_s": wall, "ms_per_token": 1000 * wall / tokens}
+        out[n] = {"tok_s": produced / wall, "wall_s": wall, "ms_per_token": 1000 * wall / tokens,
+                  "cpu_us_per_token": 1e6 * cpu / produced}
     del llm
     return out
 
@@ -134,13 +138,22 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], tokens: int, stream
     return produced
 
 
-async def _served(base_url: str, batch: list[list[int]], tokens: int, stream: bool) -> tuple[float, int]:
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+async def _served(base_url: str, batch: list[list[int]], tokens: int, stream: bool,
+                  processes: dict[str, psutil.Process]) -> tuple[float, int, dict[str, float]]:
+    """Wall seconds, tokens produced, and the CPU seconds each server process spent on them."""
     limits = httpx.Limits(max_connections=len(batch) + 4, max_keepalive_connections=len(batch) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits) as client:
         await asyncio.gather(*(_one(client, p, 4, stream) for p in batch))   # warm-up, and connections opened
+        cpu_before = {name: _cpu_s(process) for name, process in processes.items()}
         started = time.perf_counter()
         produced = await asyncio.gather(*(_one(client, p, tokens, stream) for p in batch))
-        return time.perf_counter() - started, sum(produced)
+        wall = time.perf_counter() - started
+        return wall, sum(produced), {name: _cpu_s(process) - cpu_before[name] for name, process in processes.items()}
 
 
 def served(model: str, device: str, threads: int, preset: str, sizes: list[int], prompt_tokens: int, tokens: int,
@@ -153,14 +166,18 @@ def served(model: str, device: str, threads: int, preset: str, sizes: list[int],
                                    dtype=None, quantization=None, extra=extra)
     out: dict[int, dict] = {}
     with servers.launched(cmd, port, log_dir / "served_overhead-server.log") as server:
+        front = psutil.Process(server.process.pid)
+        cores = [c for c in front.children() if "spawn_main" in " ".join(c.cmdline())]
+        processes = {"front": front, **({"core": cores[0]} if cores else {})}
         for n in sizes:
             batch = prompts(n, prompt_tokens, vocab_high)
             row = out[n] = {}
             for stream in (True, False) if n > 1 else (True,):
-                wall, produced = asyncio.run(_served(server.base_url, batch, tokens, stream))
-                row["stream" if stream else "non_stream"] = {"tok_s": produced / wall, "wall_s": wall,
-                                                             "ms_per_token": 1000 * wall / tokens,
-                                                             "produced": produced}
+                wall, produced, cpu = asyncio.run(_served(server.base_url, batch, tokens, stream, processes))
+                row["stream" if stream else "non_stream"] = {
+                    "tok_s": produced / wall, "wall_s": wall, "ms_per_token": 1000 * wall / tokens,
+                    "produced": produced, **{f"{name}_cpu_us_per_token": 1e6 * seconds / produced
+                                             for name, seconds in cpu.items()}}
     return out
 
 
@@ -182,21 +199,28 @@ def main() -> None:
     args = p.parse_args()
     sizes = [int(s) for s in args.concurrency.split(",")]
     model = args.model or str(tiny_model(args.model_dir))
-    vocab_high = 10_000   # prompt ids below every supported model's vocabulary
+    from conveyor.model.checkpoint import resolve_model_path
+    from conveyor.text.tokenizer_loader import load_tokenizer
+
+    vocab_high = min(10_000, load_tokenizer(resolve_model_path(model)).vocab_size)
     common = (args.device, args.threads, args.batch_preset, sizes, args.prompt_tokens, args.tokens, vocab_high, args.kv_cache_memory)
     off = {} if args.skip_offline else offline(model, *common)
     srv = served(model, *common, args.out_dir)
     results = {}
+    # CPU microseconds per token: the offline process's, and the server's front and core processes' while
+    # streaming; on a shared or small machine these say more than the wall-clock rates.
+    nan = float("nan")
     print(f"{'N':>4s} {'offline tok/s':>14s} {'served tok/s':>13s} {'ratio':>6s} {'non-stream':>11s} "
-          f"{'ms/token off':>13s} {'ms/token srv':>13s}")
+          f"{'ms/token off':>13s} {'ms/token srv':>13s} {'cpu us/tok off':>15s} {'front':>6s} {'core':>6s}")
     for n in sizes:
-        o, s = off.get(n), srv[n]
-        stream, plain = s["stream"], s.get("non_stream")
-        ratio = stream["tok_s"] / o["tok_s"] if o else float("nan")
-        print(f"{n:4d} {o['tok_s'] if o else float('nan'):14.1f} {stream['tok_s']:13.1f} {ratio:6.2f} "
-              f"{plain['tok_s'] if plain else float('nan'):11.1f} "
-              f"{o['ms_per_token'] if o else float('nan'):13.2f} {stream['ms_per_token']:13.2f}", flush=True)
-        results[n] = {"offline": o, "served": s, "served_over_offline": ratio}
+        o, s = off.get(n, {}), srv[n]
+        stream, plain = s["stream"], s.get("non_stream", {})
+        ratio = stream["tok_s"] / o["tok_s"] if o else nan
+        print(f"{n:4d} {o.get('tok_s', nan):14.1f} {stream['tok_s']:13.1f} {ratio:6.2f} {plain.get('tok_s', nan):11.1f} "
+              f"{o.get('ms_per_token', nan):13.2f} {stream['ms_per_token']:13.2f} "
+              f"{o.get('cpu_us_per_token', nan):15.1f} {stream.get('front_cpu_us_per_token', nan):6.1f} "
+              f"{stream.get('core_cpu_us_per_token', nan):6.1f}", flush=True)
+        results[n] = {"offline": o or None, "served": s, "served_over_offline": ratio}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out_dir / f"served_overhead-{stamp}.json"
     report.write_json(out, {"command": "python -m bench.served_overhead " + " ".join(sys.argv[1:]),
