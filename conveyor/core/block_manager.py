@@ -157,7 +157,7 @@ class BlockManager:
         """Free blocks needed for the request to hold `num_tokens` tokens after attaching the cached ones."""
         needed = self.blocks_for(num_tokens) - len(request.block_table) - len(cached_block_ids)
         # Attaching a cached block that nobody holds takes it out of the free queue too.
-        revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0) if cached_block_ids else 0
         return max(needed, 0) + revived
 
     def capacity(self, request: Request) -> int:
