@@ -1,15 +1,17 @@
 """What serving costs over the engine: offline `LLM.generate` tok/s against `conveyor serve` tok/s.
 
     python -m bench.served_overhead                      # a tiny random-weight model on the CPU
-    python -m bench.served_overhead --model FILE --device cuda --concurrency 1,64 --tokens 256
+    python -m bench.served_overhead --model bundled --device cuda --kv-cache-memory 8GiB   # on a GPU
 
 The default model is a random-weight llama with 2 layers of hidden 64 and the bundled model's tokenizer
-(49,152 tokens), written once to --out-dir: its steps are nearly free, so what is left is the front
+(49,152 tokens), written once to --model-dir: its steps are cheap, so what is left is the front
 (tokenize, detokenize, stream), the pipe to the core and the core's own host work per step. For each
 concurrency N: N requests of --prompt-tokens token ids and --tokens output tokens (ignore_eos, greedy),
 offline in one `generate` call, then served by a real `conveyor serve` on a loopback port as N
 concurrent streaming /v1/completions (plus, at N > 1, one non-streaming run). Prints tok/s both ways,
-their ratio and ms per output token per request; JSON to --out-dir.
+their ratio, ms per output token per request, and CPU microseconds per token: the offline process's and
+the server's front and core processes' (on a machine whose cores the client and other work share, the
+CPU figures say more than the rates). JSON to --out-dir.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def served(model: str, device: str, threads: int, preset: str, sizes: list[int],
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.served_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the tiny random-weight model)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder; 'bundled' for the bundled model (default: the tiny random-weight model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="the core's torch threads, offline and served")
     p.add_argument("--batch-preset", default="throughput", help="the same preset for both")
@@ -198,10 +201,10 @@ def main() -> None:
                    help="where the tiny model is written once")
     args = p.parse_args()
     sizes = [int(s) for s in args.concurrency.split(",")]
-    model = args.model or str(tiny_model(args.model_dir))
-    from conveyor.model.checkpoint import resolve_model_path
+    from conveyor.model.checkpoint import default_model_path, resolve_model_path
     from conveyor.text.tokenizer_loader import load_tokenizer
 
+    model = (str(default_model_path()) if args.model == "bundled" else args.model) or str(tiny_model(args.model_dir))
     vocab_high = min(10_000, load_tokenizer(resolve_model_path(model)).vocab_size)
     common = (args.device, args.threads, args.batch_preset, sizes, args.prompt_tokens, args.tokens, vocab_high, args.kv_cache_memory)
     off = {} if args.skip_offline else offline(model, *common)
