@@ -6,8 +6,7 @@ import dataclasses
 import pickle
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import RecordingClient, tiny_bpe_tokenizer
 
 from conveyor.config import SchedulerConfig
 from conveyor.front.admission import check_request
@@ -37,13 +36,7 @@ INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=3, block_size=16
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
-    return Tokenizer(backend)
+    return tiny_bpe_tokenizer()
 
 
 # ------------------------------------------------------------------ admission
@@ -82,17 +75,6 @@ def test_admission_resolves_max_tokens_none_to_what_the_model_length_leaves() ->
     info = dataclasses.replace(INFO, num_kv_blocks=4)   # the cache holds the whole model length
     assert check_request([1] * 30, SamplingParams(max_tokens=None), info) == info.max_model_len - 30
     assert check_request([1] * 30, SamplingParams(max_tokens=5), info) == 5
-
-
-class RecordingClient:
-    """A core client that only records what the front sends."""
-
-    def __init__(self, info: CoreInfo) -> None:
-        self.info = info
-        self.sent: list[CoreCommand] = []
-
-    def send(self, command: CoreCommand) -> None:
-        self.sent.append(command)
 
 
 @pytest.mark.parametrize("max_waiting,num_accepted", [(1, 3), (0, 2)])

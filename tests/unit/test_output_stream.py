@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import RecordingClient, tiny_bpe_tokenizer
 
 from conveyor.engine.messages import (
     AbortRequests,
-    CoreCommand,
     CoreInfo,
     CoreLoad,
     RequestOutput,
@@ -32,24 +30,9 @@ LOAD = CoreLoad(0, 0, 0, 0.0)
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
-    return Tokenizer(backend)
+    return tiny_bpe_tokenizer()
 
 
-class RecordingClient:
-    """A core client that only records what the front sends; the test plays the core's messages."""
-
-    def __init__(self, info: CoreInfo) -> None:
-        self.info = info
-        self.sent: list[CoreCommand] = []
-
-    def send(self, command: CoreCommand) -> None:
-        self.sent.append(command)
 
 
 def _output(tokens: list[int], text: str, finish: str | None = None) -> RequestOutput:

@@ -10,6 +10,7 @@ request, which the engine thread applies before its next step. `until_disconnect
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
@@ -212,6 +213,28 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def sse(payload: str) -> str:
     """One server-sent event of a JSON payload, on one line for every client's line splitting."""
     return f"data: {payload.translate(_LINE_BREAKS)}\n\n"
+
+
+class TextChunks:
+    """A stream's plain text chunks (text only: no logprobs, no finish reason), written into the JSON of a
+    sample chunk that the response's own schema serialized once: building and dumping two pydantic
+    models per token cost ~12 us, a sizeable share of what the server spends on a streamed token.
+
+    `empty` is the sample's text part as serialized with index 0 and empty text, `filled` a format
+    string taking the index and the JSON-encoded text; a sample without `empty` exactly once gives
+    None, and the caller builds the chunk the usual way.
+    """
+
+    def __init__(self, sample_json: str, empty: str, filled: str) -> None:
+        head, found, tail = sample_json.partition(empty)
+        self._parts = (head, tail) if found and empty not in tail else None
+        self._filled = filled
+
+    def render(self, index: int, text: str) -> str | None:
+        if self._parts is None:
+            return None
+        head, tail = self._parts
+        return sse(head + self._filled.format(index, json.dumps(text, ensure_ascii=False)) + tail)
 
 
 def error_payload(exc: ConveyorError) -> str:
