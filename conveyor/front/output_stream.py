@@ -33,15 +33,35 @@ def merge_into(pending: RequestOutput, later: RequestOutput) -> None:
     pending.prompt_token_ids = later.prompt_token_ids
 
 
+class Wakeup:
+    """One waiter at a time on the event loop, woken by `set` (a no-op while nobody waits)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        self._future = asyncio.get_running_loop().create_future()
+        try:
+            await self._future
+        finally:
+            self._future = None
+
+
 class OutputStream:
     """Runs on the event loop only. `on_ready` (if given) is called when the stream goes from empty to
     holding something; otherwise a consumer awaits `get`."""
 
-    __slots__ = ("_items", "_waiter", "_on_ready", "has_ended")
+    __slots__ = ("_items", "_wakeup", "_on_ready", "has_ended")
 
     def __init__(self, on_ready: Callable[[], None] | None = None) -> None:
         self._items: list[Item] = []
-        self._waiter: asyncio.Future[None] | None = None
+        self._wakeup = Wakeup()
         self._on_ready = on_ready
         self.has_ended = False     # its last output (finished, or an exception) has been put
 
@@ -59,8 +79,8 @@ class OutputStream:
         items.append(item)
         if self._on_ready is not None:
             self._on_ready()
-        elif self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        else:
+            self._wakeup.set()
 
     def take(self) -> list[Item]:
         """Everything waiting, oldest first (at most one output, then at most one exception)."""
@@ -70,9 +90,5 @@ class OutputStream:
     async def get(self) -> Item:
         """The next item: everything that arrived since the last one, merged."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wakeup.wait()
         return self._items.pop(0)

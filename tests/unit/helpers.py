@@ -63,8 +63,8 @@ def audit_blocks(blocks: BlockManager, live: Iterable[Request]) -> None:
     assert len(blocks.cached) == sum(1 for h in blocks.block_hashes if h is not None)
 
 
-def tiny_bpe_tokenizer() -> Tokenizer:
-    """A byte-level BPE of 300 tokens trained on one sentence."""
+def tiny_bpe_tokenizer(text: str = "the quick brown fox jumps over the lazy dog", vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on one text, with <|endoftext|> as a special token."""
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -73,9 +73,9 @@ def tiny_bpe_tokenizer() -> Tokenizer:
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
+    backend.train_from_iterator([text] * 10, trainer=trainer)
     return Tokenizer(backend)
 
 

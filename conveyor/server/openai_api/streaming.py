@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.front.async_engine import AsyncEngine
-from conveyor.front.output_stream import OutputStream
+from conveyor.front.output_stream import OutputStream, Wakeup
 from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
@@ -64,7 +64,7 @@ class PromptGroup:
         self._streams: dict[int, OutputStream] = {}          # started choices
         self._open: set[int] = set()                          # started choices whose end was not taken
         self._ready: deque[int] = deque()                     # choices with output, in the order it came
-        self._waiter: asyncio.Future[None] | None = None
+        self._wakeup = Wakeup()
         loop = asyncio.get_running_loop()
         self._first_ended = [loop.create_future() for _ in prompt_token_ids]   # True: finished, False: not
         self._closed = False
@@ -81,8 +81,7 @@ class PromptGroup:
 
     def _on_ready(self, request_id: str) -> None:
         self._ready.append(self._index_of[request_id])
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wakeup.set()
 
     def _start_siblings(self, first: int) -> None:
         """The choices of the prompt whose first choice is `first` that waited for its first output."""
@@ -117,11 +116,7 @@ class PromptGroup:
         num_open = self.num_prompts
         while num_open:
             while not self._ready:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wakeup.wait()
             index = self._ready.popleft()
             for item in self._streams[index].take():
                 if isinstance(item, BaseException):
