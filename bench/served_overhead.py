@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -110,7 +111,7 @@ def offline(model: str, device: str, threads: int, preset: str, sizes: list[int]
     out = {}
     for n in sizes:
         batch = prompts(n, prompt_tokens, vocab_high)
-        llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         started, cpu_before = time.perf_counter(), time.process_time()
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
                                use_tqdm=False)
@@ -119,6 +120,11 @@ def offline(model: str, device: str, threads: int, preset: str, sizes: list[int]
         out[n] = {"tok_s": produced / wall, "wall_s": wall, "ms_per_token": 1000 * wall / tokens,
                   "cpu_us_per_token": 1e6 * cpu / produced}
     del llm
+    gc.collect()
+    if device.startswith("cuda"):   # the server's core allocates its own cache next
+        import torch
+
+        torch.cuda.empty_cache()
     return out
 
 
