@@ -17,6 +17,9 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]]         # top-N (token_id, logprob), N = params.logprobs, best first
 
+    def __reduce__(self) -> tuple:
+        return (TokenLogprobs, (self.token_id, self.logprob, self.top))   # positional: one per token, pickled fast
+
 
 @dataclass(slots=True)
 class PromptLogprob:

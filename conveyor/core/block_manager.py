@@ -105,17 +105,25 @@ class BlockManager:
             return
         self.update_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
-        for i in range(num_full):
+        # The leading blocks published at earlier steps stay so while the request holds them: each
+        # step looks only past them, not at its whole context again.
+        published = min(request.num_published_blocks, num_full)
+        for i in range(published, num_full):
             block_id = request.block_table[i]
             if self.block_hashes[block_id] is not None:
+                if published == i:
+                    published += 1
                 continue
             block_hash = request.block_hashes[i]
             if block_hash in self.cached:
-                continue  # computed twice concurrently; the first copy stays the shared one
+                continue  # computed twice concurrently; the first copy stays the shared one (looked at again)
             self.block_hashes[block_id] = block_hash
             self.cached[block_hash] = block_id
+            if published == i:
+                published += 1
             if self.track_new_blocks:
                 self.new_blocks.append((block_hash, block_id))
+        request.num_published_blocks = published
 
     def take_new_blocks(self) -> list[tuple[bytes, int]]:
         """The (hash, block id) pairs hashed since the last call; their KV is intact until a later
@@ -149,7 +157,7 @@ class BlockManager:
         """Free blocks needed for the request to hold `num_tokens` tokens after attaching the cached ones."""
         needed = self.blocks_for(num_tokens) - len(request.block_table) - len(cached_block_ids)
         # Attaching a cached block that nobody holds takes it out of the free queue too.
-        revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0) if cached_block_ids else 0
         return max(needed, 0) + revived
 
     def capacity(self, request: Request) -> int:
@@ -197,6 +205,7 @@ class BlockManager:
                 else:
                     self.free_queue[block_id] = None
         request.block_table = []
+        request.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.cached.values()):

@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
+    num_published_blocks: int = 0        # leading blocks of block_table already in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -153,6 +153,8 @@ class Scheduler(PromptPhase):
             raise ValueError(f"{len(emitted_rows)} sampled rows for {len(sampling_rows)} sampling rows")
         for row, emitted in zip(sampling_rows, emitted_rows):
             accepted = len(emitted) - 1
+            if accepted == 0:
+                continue   # one token, no draft taken: nothing to check (the common row, kept cheap)
             if not 0 <= accepted <= row.num_draft_tokens or emitted[:accepted] != row.draft_token_ids[:accepted]:
                 raise ValueError(f"row {row.request_id}: {emitted} does not start with accepted drafts of "
                                  f"{row.draft_token_ids}")

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import signal
 import threading
 import time
@@ -56,12 +57,17 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
             pass   # the front already gave up (it found the error itself): it has said why
         raise SystemExit(1) from None
 
+    # One poll object for the process: Connection.poll builds and tears down a selector at every
+    # call, and a busy core asks once per step whether a command came.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+
     def receive(timeout_s: float) -> list[CoreCommand] | None:
         try:
-            if not conn.poll(timeout_s):
+            if not poller.poll(timeout_s * 1000):
                 return None if os.getppid() != parent_pid else []
             commands = [conn.recv()]
-            while conn.poll(0):
+            while poller.poll(0):
                 commands.append(conn.recv())
             return commands
         except (EOFError, OSError):   # the front is gone

@@ -154,6 +154,12 @@ class TokenDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self) -> tuple:
+        # The fields in order: a slotted dataclass pickles its state as a dict of slots by default,
+        # ~4x slower to write and ~7x to read, and a step's message carries one delta per row.
+        return (TokenDelta, (self.request_id, self.new_token_ids, self.new_logprobs, self.finish_reason,
+                             self.stop_reason, self.error, self.metrics, self.prompt_logprobs))
+
 
 @dataclass(slots=True)
 class CoreLoad:

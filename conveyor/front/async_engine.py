@@ -27,6 +27,7 @@ from conveyor.engine.messages import (
     WatchBatch,
 )
 from conveyor.front.output_processor import OutputProcessor
+from conveyor.front.output_stream import OutputStream
 from conveyor.engine.structured_output import GrammarCompiler
 from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ConveyorError, QueueFull
@@ -35,7 +36,6 @@ from conveyor.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[StepOutputs], None]
-OutputQueue = asyncio.Queue  # of RequestOutput, or the exception that ended the request
 
 
 class EngineDeadError(ConveyorError):
@@ -55,7 +55,7 @@ class AsyncEngine:
         self.observers: list[StepObserver] = []
         self.death_observers: list[Callable[[str], None]] = []
         self.load = CoreLoad(0, 0, 0, 0.0)      # as of the core's last message
-        self._queues: dict[str, OutputQueue] = {}
+        self._queues: dict[str, OutputStream] = {}
         self.max_requests_per_tenant = max_requests_per_tenant
         self._tenant_of: dict[str, str] = {}     # request id -> tenant, for requests in flight
         self._batch_ids: set[str] = set()         # requests in flight that batch jobs sent (no limits)
@@ -122,12 +122,15 @@ class AsyncEngine:
         return max(0, in_core + num_new - self.info.scheduler.max_num_seqs)
 
     def add(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
-            priority: int = 0, tenant: str = "", is_batch: bool = False) -> list[OutputQueue]:
+            priority: int = 0, tenant: str = "", is_batch: bool = False,
+            on_ready: Callable[[str], None] | None = None) -> list[OutputStream]:
         """Admit and start a request's prompts in one synchronous block, so no other request can pass
         the same capacity check in between: raise for a request that could never run (400), past the
         waiting-queue bound (429), or while not accepting (503); else send them to the core and
-        return one output queue per prompt, for `outputs`. A batch job's request (`is_batch`) skips
-        the waiting-queue and per-tenant bounds and is counted in neither: it yields to interactive ones."""
+        return one output stream per prompt, for `outputs`. A batch job's request (`is_batch`) skips
+        the waiting-queue and per-tenant bounds and is counted in neither: it yields to interactive ones.
+        `on_ready(request_id)`: called when a request's stream goes from empty to holding output, for a
+        caller that takes from many streams (then it calls `forget` or `abort` for each itself)."""
         arrival_s = self.clock()
         core_requests = [self.front.make_request(request_id, prompt_token_ids, params, arrival_s, priority, tenant,
                                                  is_batch)
@@ -141,10 +144,11 @@ class AsyncEngine:
         if per_tenant is not None and in_flight + len(prompts) > per_tenant:
             raise QueueFull(f"tenant {tenant or '(default)'!r} has {in_flight} requests in flight and may have "
                             f"{per_tenant} (--max-requests-per-tenant); retry later")
-        queues: list[OutputQueue] = []
+        queues: list[OutputStream] = []
         for request in core_requests:
-            queue: OutputQueue = asyncio.Queue()
-            self._queues[request.request_id] = queue
+            request_id = request.request_id
+            queue = OutputStream(None if on_ready is None else lambda rid=request_id: on_ready(rid))
+            self._queues[request_id] = queue
             if is_batch:
                 self._batch_ids.add(request.request_id)
             else:
@@ -168,7 +172,7 @@ class AsyncEngine:
         if not self.is_accepting:
             raise EngineDeadError("the server is shutting down")
 
-    async def outputs(self, request_id: str, queue: OutputQueue) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request_id: str, queue: OutputStream) -> AsyncIterator[RequestOutput]:
         """Stream one started request's outputs. Leaving the iteration early (a client gone) aborts it."""
         finished = False
         try:
@@ -182,7 +186,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._forget(request_id)
+            self.forget(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -194,7 +198,8 @@ class AsyncEngine:
         async for output in self.outputs(request_id, queue):
             yield output
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
+        """The request's last output was taken: it no longer counts as in flight."""
         self._queues.pop(request_id, None)
         self._batch_ids.discard(request_id)
         tenant = self._tenant_of.pop(request_id, None)
@@ -206,7 +211,7 @@ class AsyncEngine:
                 del self.tenant_in_flight[tenant]
 
     def abort(self, request_id: str) -> None:
-        self._forget(request_id)
+        self.forget(request_id)
         self._owed.discard(request_id)
         self.front.drop(request_id)
         if self.dead_reason is None:
@@ -246,7 +251,7 @@ class AsyncEngine:
     def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
         queue = self._queues.get(request_id)
         if queue is not None:
-            queue.put_nowait(item)
+            queue.put(item)
 
     def _on_death(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -277,7 +282,7 @@ class AsyncEngine:
     def _fail_all(self, exc: ConveyorError) -> None:
         for request_id, queue in list(self._queues.items()):
             self.front.drop(request_id)
-            queue.put_nowait(exc)
+            queue.put(exc)
         self._queues.clear()
         self._owed.clear()
         self._tenant_of.clear()

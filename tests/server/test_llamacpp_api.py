@@ -105,9 +105,9 @@ def test_n_probs(tiny_server: RunningServer) -> None:
             assert {"id", "token", "logprob", "bytes"} <= set(prob) and prob["logprob"] <= 0
     for data in _stream(tiny_server, {"prompt": PROMPT, "n_probs": 3, "temperature": 0, "n_predict": 5,
                                       "ignore_eos": True}):
-        if not data["stop"]:
-            assert len(data["completion_probabilities"]) == len(data["tokens"]) == 1
-            assert len(data["completion_probabilities"][0]["top_logprobs"]) == 3
+        if not data["stop"]:   # a client slower than the steps gets several tokens in one event
+            assert len(data["completion_probabilities"]) == len(data["tokens"]) >= 1
+            assert all(len(prob["top_logprobs"]) == 3 for prob in data["completion_probabilities"])
 
 
 @pytest.mark.parametrize("openai_style", [False, True])

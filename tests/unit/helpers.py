@@ -1,12 +1,18 @@
-"""Builders shared by the model-free core tests: make_request, FakeClock, a strict block audit."""
+"""Builders shared by the model-free tests: make_request, FakeClock, a strict block audit; for the front's
+tests a tiny trained BPE tokenizer and a core client that records what the front sends."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import Request
 from conveyor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # the core's tests import no text or message code
+    from conveyor.engine.messages import CoreCommand, CoreInfo
+    from conveyor.text.tokenizer import Tokenizer
 
 EOS = 2
 
@@ -55,3 +61,30 @@ def audit_blocks(blocks: BlockManager, live: Iterable[Request]) -> None:
     assert blocks.num_free_blocks + blocks.num_used_blocks == blocks.num_blocks
     assert blocks.num_used_blocks == sum(1 for c in holders if c > 0)
     assert len(blocks.cached) == sum(1 for h in blocks.block_hashes if h is not None)
+
+
+def tiny_bpe_tokenizer(text: str = "the quick brown fox jumps over the lazy dog", vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on one text, with <|endoftext|> as a special token."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from conveyor.text.tokenizer import Tokenizer
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([text] * 10, trainer=trainer)
+    return Tokenizer(backend)
+
+
+class RecordingClient:
+    """A core client that only records what the front sends; a test plays the core's messages."""
+
+    def __init__(self, info: CoreInfo) -> None:
+        self.info = info
+        self.sent: list[CoreCommand] = []
+
+    def send(self, command: CoreCommand) -> None:
+        self.sent.append(command)

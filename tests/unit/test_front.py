@@ -6,8 +6,7 @@ import dataclasses
 import pickle
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import RecordingClient, tiny_bpe_tokenizer
 
 from conveyor.config import SchedulerConfig
 from conveyor.front.admission import check_request
@@ -21,6 +20,7 @@ from conveyor.engine.messages import (
     CoreInfo,
     CoreLoad,
     CoreRequest,
+    RequestMetrics,
     Shutdown,
     StepOutputs,
     TokenDelta,
@@ -28,6 +28,7 @@ from conveyor.engine.messages import (
 from conveyor.front.output_processor import OutputProcessor
 from conveyor.text.tokenizer import Tokenizer
 from conveyor.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from conveyor.logprobs import PromptLogprob, TokenLogprobs
 from conveyor.sampling_params import SamplingParams
 
 INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=3, block_size=16, startup_s=0.0)
@@ -35,13 +36,7 @@ INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=3, block_size=16
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
-    return Tokenizer(backend)
+    return tiny_bpe_tokenizer()
 
 
 # ------------------------------------------------------------------ admission
@@ -80,17 +75,6 @@ def test_admission_resolves_max_tokens_none_to_what_the_model_length_leaves() ->
     info = dataclasses.replace(INFO, num_kv_blocks=4)   # the cache holds the whole model length
     assert check_request([1] * 30, SamplingParams(max_tokens=None), info) == info.max_model_len - 30
     assert check_request([1] * 30, SamplingParams(max_tokens=5), info) == 5
-
-
-class RecordingClient:
-    """A core client that only records what the front sends."""
-
-    def __init__(self, info: CoreInfo) -> None:
-        self.info = info
-        self.sent: list[CoreCommand] = []
-
-    def send(self, command: CoreCommand) -> None:
-        self.sent.append(command)
 
 
 @pytest.mark.parametrize("max_waiting,num_accepted", [(1, 3), (0, 2)])
@@ -158,8 +142,11 @@ def test_error_delta_carries_its_message(tokenizer: Tokenizer) -> None:
 
 
 def test_messages_survive_pickling() -> None:
-    outputs = StepOutputs([TokenDelta("r", [5], finish_reason="stop", stop_reason=7)], CoreLoad(1, 2, 3, 0.5),
-                          rejected=[("q", QueueFull("full"))], num_added=2)
+    outputs = StepOutputs([TokenDelta("r", [5], finish_reason="stop", stop_reason=7),
+                           TokenDelta("s", [6, 7], [TokenLogprobs(6, -0.5, [(6, -0.5)]), TokenLogprobs(7, -1.0, [])],
+                                      error="boom", prompt_logprobs=[None, PromptLogprob(-2.0, 1, [(3, -2.0)])],
+                                      metrics=RequestMetrics(1.0, 1.5, 2.0, 3.0, 4, 2, 0, 0))],
+                          CoreLoad(1, 2, 3, 0.5), rejected=[("q", QueueFull("full"))], num_added=2)
     again = pickle.loads(pickle.dumps(outputs))
     assert again.deltas == outputs.deltas and again.load == outputs.load and again.num_added == 2
     (request_id, error), = again.rejected

@@ -6,9 +6,17 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
-from conveyor.server.openai_api.responses import ErrorInfo
-from conveyor.server.openai_api.streaming import sse
+from conveyor.server.openai_api.responses import (
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    ErrorInfo,
+)
+from conveyor.server.openai_api.streaming import TextChunks, sse
 
 # U+0085, U+2028 and U+2029 are line breaks to str.splitlines; JSON keeps them raw in strings.
 TEXT = "a\u2028b\x85c\u2029d\n\"e\\\u2028 \U0001f600"
@@ -33,3 +41,16 @@ def test_httpx_reads_the_event_whole() -> None:
 
     got = asyncio.run(lines())
     assert len(got) == 1 and json.loads(got[0][len("data: "):])["message"] == TEXT
+
+
+@pytest.mark.parametrize("text", [TEXT, "plain", " \x00\x1b\t\x7f é 中 </s>"])
+def test_text_chunks_from_the_template_are_the_schemas_own(text: str) -> None:
+    completion = lambda index, text: CompletionChunk(id="cmpl-1", created=7, model='m "x"', choices=[  # noqa: E731
+        CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)]).model_dump_json()
+    chat = lambda index, text: ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[  # noqa: E731
+        ChatStreamChoice(index=index, delta=ChatDelta(content=text))]).model_dump_json()
+    plain_completion = TextChunks(completion(0, ""), '"index":0,"text":""', '"index":{},"text":{}')
+    plain_chat = TextChunks(chat(0, ""), '"index":0,"delta":{"content":""}', '"index":{},"delta":{{"content":{}}}')
+    assert plain_completion.render(3, text) == sse(completion(3, text))
+    assert plain_chat.render(2, text) == sse(chat(2, text))
+    assert TextChunks(chat(0, "x"), '"index":0,"delta":{"content":""}', "{}{}").render(0, text) is None

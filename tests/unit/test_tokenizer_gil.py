@@ -7,8 +7,7 @@ import threading
 import time
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import tiny_bpe_tokenizer
 
 from conveyor.text.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 
@@ -17,13 +16,7 @@ TEXT = "the quick brown fox jumps over the lazy dog, héllo wörld 日本 <|endo
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([TEXT] * 10, trainer=trainer)
-    return Tokenizer(backend)
+    return tiny_bpe_tokenizer(TEXT, vocab_size=400)
 
 
 def test_long_texts_give_the_same_ids(tokenizer: Tokenizer) -> None:

@@ -35,6 +35,7 @@ from conveyor.server.openai_api.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     PromptGroup,
+    TextChunks,
     error_event,
     sse,
 )
@@ -139,6 +140,9 @@ async def _completion_events(serving: Serving, group: PromptGroup, prompts: list
     want_logprobs = body.logprobs is not None
     as_ids = body.return_tokens_as_token_ids
     n = max(1, group.num_prompts // len(prompts))
+    plain = TextChunks(CompletionChunk(id=group.group_id, created=created, model=serving.model_name, choices=[
+        CompletionChoice(index=0, text="", logprobs=None, finish_reason=None)]).model_dump_json(),
+        '"index":0,"text":""', '"index":{},"text":{}')
     try:
         async for index, output in group.outputs():
             choice = choices[index]
@@ -153,6 +157,10 @@ async def _completion_events(serving: Serving, group: PromptGroup, prompts: list
                 scores = choices[index - index % n].prompt_logprobs
             if not (prefix or text or output.finished or (want_logprobs and entries)):
                 continue  # text held back (a possible stop string, a split character)
+            if not (prefix or want_logprobs or output.finished) and (event := plain.render(index, text)) is not None:
+                choice.num_chars += len(text)
+                yield event
+                continue
             logprobs = (serving.logprobs.completion_logprobs(entries, choice.num_chars, as_ids, scores,
                                                              prompts[index // n], body.logprobs or 0)
                         if want_logprobs else None)

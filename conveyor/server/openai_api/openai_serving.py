@@ -59,6 +59,7 @@ from conveyor.server.openai_api.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     PromptGroup,
+    TextChunks,
     error_event,
     sse,
     until_disconnected,
@@ -269,6 +270,9 @@ class OpenAIServing:
         # OpenAI's first chunk names the role, before any content exists.
         yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(group.num_prompts)])
+        plain = TextChunks(ChatCompletionChunk(id=group.group_id, created=created, model=self.model_name, choices=[
+            ChatStreamChoice(index=0, delta=ChatDelta(content=""))]).model_dump_json(),
+            '"index":0,"delta":{"content":""}', '"index":{},"delta":{{"content":{}}}')
         num_tokens = 0
         try:
             async for index, output in group.outputs():
@@ -276,6 +280,10 @@ class OpenAIServing:
                 splitter = run.splitters[index]
                 reasoning, text, calls = splitter.feed(output.new_text, len(output.new_token_ids), output.finished)
                 if not (reasoning or text or calls or output.finished or (body.logprobs and output.new_logprobs)):
+                    continue
+                if text and not (reasoning or calls or output.finished or body.logprobs) and (
+                        event := plain.render(index, text)) is not None:
+                    yield event
                     continue
                 first = splitter.num_calls - len(calls)
                 finish = finish_reason(output.finish_reason, splitter.num_calls > 0) if output.finished else None

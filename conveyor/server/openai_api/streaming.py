@@ -10,8 +10,9 @@ request, which the engine thread applies before its next step. `until_disconnect
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -19,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conveyor.front.async_engine import AsyncEngine, OutputQueue
+from conveyor.front.async_engine import AsyncEngine
+from conveyor.front.output_stream import OutputStream, Wakeup
 from conveyor.front.front import Choices
 from conveyor.engine.messages import RequestOutput
 from conveyor.errors import ConveyorError
@@ -44,6 +46,9 @@ class PromptGroup:
     (400, 429, 503) is raised here, before any response starts. A prompt's other choices start when
     its first one has its first token (`Choices`, as offline); a start refused then (the server
     filled up meanwhile) ends those choices with that error.
+
+    No task runs per choice: each choice's `OutputStream` tells the group when it has output, and the
+    one consumer of `outputs` takes it, everything that arrived since it last looked merged into one.
     """
 
     def __init__(self, engine: AsyncEngine, group_id: str, prompt_token_ids: list[list[int]],
@@ -55,49 +60,53 @@ class PromptGroup:
         self._prompts = prompt_token_ids
         self._priority, self._tenant, self._is_batch = priority, tenant, is_batch
         self._request_ids = [f"{group_id}-{index}" for index in range(self.num_prompts)]
-        self._outputs: asyncio.Queue[tuple[int, RequestOutput | ConveyorError]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._index_of = {request_id: index for index, request_id in enumerate(self._request_ids)}
+        self._streams: dict[int, OutputStream] = {}          # started choices
+        self._open: set[int] = set()                          # started choices whose end was not taken
+        self._ready: deque[int] = deque()                     # choices with output, in the order it came
+        self._wakeup = Wakeup()
+        loop = asyncio.get_running_loop()
+        self._first_ended = [loop.create_future() for _ in prompt_token_ids]   # True: finished, False: not
         self._closed = False
         self._choices = [Choices(params, stagger=True) for _ in prompt_token_ids]
         firsts = [i * n for i in range(len(prompt_token_ids))]
         # Every prompt's first choice in one add: the request is admitted whole or not at all.
         self._start(firsts, engine.add(prompt_token_ids, params.for_choice(0), [self._request_ids[k] for k in firsts],
-                                       priority, tenant, is_batch))
+                                       priority, tenant, is_batch, self._on_ready))
 
-    def _start(self, indexes: list[int], queues: list[OutputQueue]) -> None:
-        self._tasks += [asyncio.create_task(self._pump(index, queue), name=self._request_ids[index])
-                        for index, queue in zip(indexes, queues)]
+    def _start(self, indexes: list[int], streams: list[OutputStream]) -> None:
+        for index, stream in zip(indexes, streams, strict=True):
+            self._streams[index] = stream
+            self._open.add(index)
+
+    def _on_ready(self, request_id: str) -> None:
+        self._ready.append(self._index_of[request_id])
+        self._wakeup.set()
 
     def _start_siblings(self, first: int) -> None:
         """The choices of the prompt whose first choice is `first` that waited for its first output."""
         later = self._choices[first // self.n].start_after_first_output()
         if self._closed or not later:
             return
-        siblings = [first + j for j, _ in later]
         prompt = self._prompts[first // self.n]
         try:
             for j, params in later:
                 self._start([first + j], self._engine.add([prompt], params, [self._request_ids[first + j]],
-                                                          self._priority, self._tenant, self._is_batch))
+                                                          self._priority, self._tenant, self._is_batch,
+                                                          self._on_ready))
         except ConveyorError as exc:
-            started = {task.get_name() for task in self._tasks}
-            for index in siblings:
-                if self._request_ids[index] not in started:
-                    self._outputs.put_nowait((index, exc))
+            for j, _ in later:
+                if first + j not in self._streams:
+                    stream = self._streams[first + j] = OutputStream(
+                        lambda request_id=self._request_ids[first + j]: self._on_ready(request_id))
+                    self._open.add(first + j)
+                    stream.put(exc)
 
-    async def _pump(self, index: int, queue: OutputQueue) -> None:
-        request_id = self._request_ids[index]
-        try:
-            async with contextlib.aclosing(self._engine.outputs(request_id, queue)) as outputs:
-                async for output in outputs:
-                    if self.n > 1 and index % self.n == 0:
-                        self._start_siblings(index)
-                    self._outputs.put_nowait((index, output))
-        except ConveyorError as exc:
-            self._outputs.put_nowait((index, exc))
-        except Exception as exc:  # a bug here must reach the client as an error, not leave it waiting
-            logger.exception("request %s failed outside the engine", request_id)
-            self._outputs.put_nowait((index, ConveyorError(f"internal error: {exc}")))
+    def _ended(self, index: int, finished: bool) -> None:
+        self._open.discard(index)
+        self._engine.forget(self._request_ids[index])
+        if index % self.n == 0 and not self._first_ended[index // self.n].done():
+            self._first_ended[index // self.n].set_result(finished)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) in arrival order until every prompt finished.
@@ -106,33 +115,46 @@ class PromptGroup:
         """
         num_open = self.num_prompts
         while num_open:
-            index, item = await self._outputs.get()
-            if isinstance(item, ConveyorError):
-                raise item
-            if item.error is not None:
-                raise ConveyorError(item.error)
-            if item.finished:
-                num_open -= 1
-                if item.finish_reason not in ("stop", "length"):
-                    raise ConveyorError(f"request {item.request_id} ended with {item.finish_reason}")
-            yield index, item
+            while not self._ready:
+                await self._wakeup.wait()
+            index = self._ready.popleft()
+            for item in self._streams[index].take():
+                if isinstance(item, BaseException):
+                    self._ended(index, False)
+                    raise item if isinstance(item, ConveyorError) else ConveyorError(f"internal error: {item}")
+                if self.n > 1 and index % self.n == 0:
+                    self._start_siblings(index)
+                if item.finished:
+                    self._ended(index, item.error is None and item.finish_reason in ("stop", "length"))
+                if item.error is not None:
+                    raise ConveyorError(item.error)
+                if item.finished:
+                    num_open -= 1
+                    if item.finish_reason not in ("stop", "length"):
+                        raise ConveyorError(f"request {item.request_id} ended with {item.finish_reason}")
+                yield index, item
 
     async def wait_first_choices(self) -> bool:
-        """Wait until each prompt's first choice has ended; False if one was aborted."""
-        results = await asyncio.gather(*self._tasks[:len(self._prompts)], return_exceptions=True)
-        return all(result is None for result in results)
+        """Wait until each prompt's first choice has ended; False if one was aborted or failed."""
+        return all(await asyncio.gather(*self._first_ended))
 
     def close(self) -> None:
-        """Abort whatever has not finished: each cancelled task's generator sends its abort."""
+        """Abort whatever has not finished; forget what finished but was not taken."""
         self._closed = True
-        unfinished = [task for task in self._tasks if not task.done()]
+        unfinished = [index for index in self._open if not self._streams[index].has_ended]
         if unfinished:
             logger.info("aborting %d of the %d requests of %s: the response ended before they finished",
                         len(unfinished), self.num_prompts, self.group_id)
-        for task in unfinished:
-            task.cancel()
-            # A task cancelled before it first ran never reaches its generator's abort.
-            self._engine.abort(task.get_name())
+        for index in sorted(self._open):
+            request_id = self._request_ids[index]
+            if self._streams[index].has_ended:
+                self._engine.forget(request_id)
+            else:
+                self._engine.abort(request_id)
+        self._open.clear()
+        for ended in self._first_ended:
+            if not ended.done():
+                ended.set_result(False)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -186,6 +208,28 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def sse(payload: str) -> str:
     """One server-sent event of a JSON payload, on one line for every client's line splitting."""
     return f"data: {payload.translate(_LINE_BREAKS)}\n\n"
+
+
+class TextChunks:
+    """A stream's plain text chunks (text only: no logprobs, no finish reason), written into the JSON of a
+    sample chunk that the response's own schema serialized once: building and dumping two pydantic
+    models per token cost ~12 us, a sizeable share of what the server spends on a streamed token.
+
+    `empty` is the sample's text part as serialized with index 0 and empty text, `filled` a format
+    string taking the index and the JSON-encoded text; a sample without `empty` exactly once gives
+    None, and the caller builds the chunk the usual way.
+    """
+
+    def __init__(self, sample_json: str, empty: str, filled: str) -> None:
+        head, found, tail = sample_json.partition(empty)
+        self._parts = (head, tail) if found and empty not in tail else None
+        self._filled = filled
+
+    def render(self, index: int, text: str) -> str | None:
+        if self._parts is None:
+            return None
+        head, tail = self._parts
+        return sse(head + self._filled.format(index, json.dumps(text, ensure_ascii=False)) + tail)
 
 
 def error_payload(exc: ConveyorError) -> str:
