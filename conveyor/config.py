@@ -14,8 +14,8 @@ KV_CACHE_DTYPES, KV_CACHE_DTYPE_ALIASES = (*DTYPES, "int8"), {"q8_0": "int8"}   
 # as loaded (GGUF dequantized to float); int8: linear layers quantized to int8 (blocks of 32) from any
 # checkpoint; gguf: auto, for GGUF files only. See model/quant.py.
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
-# auto: the C kernel on CPU where built, else torch's SDPA over gathered blocks; sdpa: always the latter;
-# flex: FlexAttention reading the cache blocks in place (compiled on CUDA). See model/flex_paged.py.
+# auto: the C kernel on CPU where built (else torch's SDPA over gathered blocks), flex on CUDA; sdpa: always
+# the SDPA path; flex: FlexAttention reading the cache blocks in place (compiled on CUDA). See flex_paged.py.
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 QUANTIZED_LAYERS = ("auto", "torch")
 

@@ -51,8 +51,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="cuda: run every step eagerly instead of replaying decode steps from CUDA graphs")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=ModelConfig.attention_backend,
-                       help="auto: the C kernel on CPU (torch SDPA without it), SDPA over gathered blocks on CUDA; "
-                            "sdpa: always that; flex: FlexAttention reading the KV blocks in place, so a step "
+                       help="auto: the C kernel on CPU (torch SDPA without it), flex on CUDA; sdpa: SDPA over each "
+                            "row's blocks gathered; flex: FlexAttention reading the KV blocks in place, so a step "
                             "costs the tokens its rows attend (compiled on CUDA at first use; float KV cache only)")
     group.add_argument("--batch-preset", choices=tuple(BATCH_PRESETS), default=None,
                        help="sets --target-itl-ms, --max-num-seqs, --max-num-batched-tokens and --min-prefill-chunk "

@@ -92,7 +92,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
                          f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
     phase_started = time.perf_counter()
     use_graphs = device.type == "cuda" and not config.model.enforce_eager
-    backend = config.model.attention_backend
+    backend = attention_backend(config.model.attention_backend, device, cache_cfg.block_size)
     kv_cache = KVCache(arch, num_blocks, cache_cfg.block_size, kv_dtype, device,
                        transposed_keys=kernel_tile_size(model, cache_cfg.block_size, device, backend) > 0,
                        spare_block=use_graphs)
@@ -150,7 +150,7 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
     model = load_model(draft_path, dtype, config.model.device, runtime.kernel_library, quantization,
                        torch_layers=config.model.quantized_layers == "torch")
     block_size = config.cache.block_size
-    backend = config.model.attention_backend
+    backend = attention_backend(config.model.attention_backend, device, block_size)
     kv_cache = KVCache(model.arch, runtime.kv_cache.num_blocks, block_size, kv_dtype, device,
                        transposed_keys=kernel_tile_size(model, block_size, device, backend) > 0)
     max_model_len = min(runtime.max_model_len, model.arch.max_position_embeddings)
@@ -159,6 +159,15 @@ def build_draft(config: EngineConfig, runtime: Runtime) -> DraftModelProposer:
                 kv_cache.num_blocks, time.perf_counter() - started)
     return DraftModelProposer(ModelRunner(model, kv_cache, device, attention_backend=backend), max_model_len,
                               runtime.model.vocab_size)
+
+
+def attention_backend(option: str, device: torch.device, block_size: int) -> str:
+    """What `option` runs: "auto" is FlexAttention on a GPU where the block size lets it (a 0.5B model on
+    an H200: 256 rows 16.3k -> 21.5k tok/s, one row's decode 2.84 -> 2.18 ms, BENCHMARKS.md), else the
+    C kernel on the CPU or SDPA over gathered blocks."""
+    if option == "auto" and device.type == "cuda" and block_size >= 16 and block_size & (block_size - 1) == 0:
+        return "flex"
+    return option
 
 
 def _formats(config: EngineConfig, option: str, path: Path, device: torch.device,

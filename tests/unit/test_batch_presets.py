@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conveyor.cli.flags import build_parser, engine_options
 from conveyor.config import BATCH_PRESETS, CacheConfig, EngineConfig, SchedulerConfig, default_batch_preset
@@ -104,3 +105,13 @@ def test_kv_memory_on_a_gpu_is_what_the_utilization_leaves() -> None:
             CacheConfig(gpu_memory_utilization=bad)
     assert EngineConfig.from_options(**engine_options(build_parser().parse_args(
         ["serve", "--gpu-memory-utilization", "0.5"]))).cache.gpu_memory_utilization == 0.5
+
+
+def test_auto_attention_is_flex_on_a_gpu_where_the_block_size_lets_it() -> None:
+    from conveyor.runtime.runtime_builder import attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert attention_backend("auto", cuda, 16) == attention_backend("auto", cuda, 64) == "flex"
+    assert attention_backend("auto", cuda, 24) == "auto" and attention_backend("auto", cuda, 8) == "auto"
+    assert attention_backend("auto", cpu, 16) == "auto"
+    assert attention_backend("sdpa", cuda, 16) == "sdpa" and attention_backend("flex", cpu, 16) == "flex"
