@@ -85,10 +85,10 @@ def build_runtime(config: EngineConfig) -> Runtime:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{arch.max_position_embeddings}")
     cache_cfg = config.cache
-    num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(arch, cache_cfg.block_size, kv_dtype,
-                                                                   kv_cache_bytes(config, arch, device))
+    kv_bytes = kv_cache_bytes(config, arch, device)
+    num_blocks = cache_cfg.num_kv_blocks or KVCache.num_blocks_for(arch, cache_cfg.block_size, kv_dtype, kv_bytes)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {cache_cfg.kv_cache_memory!r} is too small for one KV block "
+        raise ValueError(f"kv_cache_memory ({kv_bytes} bytes) is too small for one KV block "
                          f"({KVCache.bytes_per_block(arch, cache_cfg.block_size, kv_dtype)} bytes)")
     phase_started = time.perf_counter()
     use_graphs = device.type == "cuda" and not config.model.enforce_eager
