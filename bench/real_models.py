@@ -99,9 +99,9 @@ class Server:
 
 
 def conveyor_server(model: Path, args: argparse.Namespace) -> Server:
-    from conveyor.config import CacheConfig, parse_bytes
+    from conveyor.config import DEFAULT_KV_CACHE_MEMORY, parse_bytes
 
-    kv = parse_bytes(args.conveyor_kv_cache_memory or CacheConfig.kv_cache_memory, "kv_cache_memory")
+    kv = parse_bytes(args.conveyor_kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory")
     return Server("conveyor", lambda port, _p, _c: servers.conveyor_command(
         port, model=str(model), threads=args.threads, dtype=None, quantization=args.conveyor_quantization,
         kv_cache_memory=args.conveyor_kv_cache_memory, extra=("--device", args.conveyor_device)),
