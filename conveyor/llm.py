@@ -65,7 +65,8 @@ class LLM:
         # Offline, nobody waits on each token: steps are sized for throughput unless asked otherwise
         # (the balanced preset's latency target cost 20-25 % of offline throughput, see BENCHMARKS.md).
         if not engine_options.get("batch_preset"):
-            engine_options["batch_preset"] = default_batch_preset(str(engine_options.get("device", "cpu")), offline=True)
+            device = str(engine_options.get("device", "cpu"))
+            engine_options["batch_preset"] = default_batch_preset(device, offline=True)
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -83,8 +83,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", "-c", type=int, default=None,
                        help="longest prompt + output (default: the model's)")
     group.add_argument("--kv-cache-memory", default=None,
-                       help=f"memory for the KV cache, e.g. 2GiB (default: {DEFAULT_KV_CACHE_MEMORY} on the CPU; on a GPU "
-                            "what --gpu-memory-utilization leaves after the weights)")
+                       help=f"memory for the KV cache, e.g. 2GiB (default: {DEFAULT_KV_CACHE_MEMORY} on the CPU; "
+                            "on a GPU what --gpu-memory-utilization leaves after the weights)")
     group.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
                        help="GPU: the share of the card's memory the engine holds, weights and KV cache together; "
                             "the KV cache takes what the weights and a working reserve leave")
