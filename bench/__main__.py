@@ -18,9 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench import accuracy, capacity, head_of_line, interference, limits, report, run
-from bench.client import run_serving
-from bench.metrics import samples, summarize
+from bench import report
+from bench.accuracy import perplexity as accuracy
+from bench.kernels import limits
+from bench.peers import run
+from bench.serving import capacity, head_of_line, interference
+from bench.serving.client import run_serving
+from bench.serving.metrics import samples, summarize
 from bench.workloads import add_workload_arguments, offline_workload
 
 
