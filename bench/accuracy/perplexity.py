@@ -234,3 +234,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the F32 GGUF, the text file and llama.cpp's base file go here")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/accuracy"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    run(p.parse_args(argv))

@@ -1,6 +1,6 @@
 """Accuracy of each --quantization against the float model on a fixed text shipped with a package.
 
-    python -m bench.accuracy.quant_accuracy [--model PATH] [--text FILE] [--tokens 1024]
+    python -m bench quant-accuracy [--model PATH] [--text FILE] [--tokens 1024]
 
 Teacher-forced over the text's first tokens: perplexity per format and top-1 agreement of each
 position's argmax with the float model's. The default text is a package's METADATA (never fetched).
@@ -45,13 +45,14 @@ def prefill_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32)
         return model(torch.tensor(ids), torch.arange(len(ids)), meta, cache.layers, torch.arange(len(ids)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench quant-accuracy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--text", default=None)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     text_path = Path(args.text) if args.text else default_text()
@@ -68,7 +69,3 @@ def main() -> None:
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         print(f"{quantization:>5}: perplexity {perplexity:.3f}, top-1 agreement with float {agree:.4f}, "
               f"prefill {elapsed:.2f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """What a draft token costs: one step's time with 0..k guesses per request, at 1 and 16 requests.
 
-    python -m bench.features.draft_cost [--dtype float32] [--context 600] [--drafts 0,1,2,4]
+    python -m bench draft-cost [--dtype float32] [--context 600] [--drafts 0,1,2,4]
 
 Times ModelRunner.execute on the bundled model (best of --repetitions) for decode rows that each
 carry the same number of draft tokens, at context length --context. Speculation pays only while a
@@ -18,8 +18,8 @@ from pathlib import Path
 from bench import report
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.draft_cost", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench draft-cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--drafts", default="0,1,2,4", help="guesses per request")
     p.add_argument("--repetitions", type=int, default=10)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from conveyor.config import EngineConfig
     from conveyor.core.plan import ScheduledRow, StepPlan
     from conveyor.front.llm_engine import LLMEngine
@@ -59,7 +59,3 @@ def main() -> None:
                   + (f" (+{per_guess * 1e3:.2f} ms per guess)" if k else ""), flush=True)
     report.save_run("draft-cost", args.out_dir, {"options": vars(args) | {"out_dir": str(args.out_dir)},
                                                  "step_seconds": results})
-
-
-if __name__ == "__main__":
-    main()

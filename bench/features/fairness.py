@@ -1,6 +1,6 @@
 """Fair sharing between tenants: one tenant's burst against another's single request, in one run.
 
-    python -m bench.features.fairness                    # A: 100 requests at once; B: 1 request a second later
+    python -m bench fairness                    # A: 100 requests at once; B: 1 request a second later
 
 Tenant A submits --burst requests at once; a second later tenant B submits one. With fair sharing
 B's request is admitted at the next free batch slot; without it (B counted as the same tenant as
@@ -48,8 +48,8 @@ def run(engine, burst: int, prompt_len: int, output_tokens: int, fair: bool, see
             "a_output_tokens_per_s": a_tokens / (a_done - started)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.fairness", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--burst", type=int, default=100)
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repetitions", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     options = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "2GiB",
                "max_num_seqs": args.max_num_seqs, "enable_prefix_caching": False}
     print(f"CPU: {report.machine()}", flush=True)
@@ -83,7 +83,3 @@ def main() -> None:
     report.save_run("fairness", args.out_dir, {"options": options, "burst": args.burst,
                                                "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                                "runs": runs, "best": best, "a_throughput_ratio": ratio})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The 8-bit KV cache against float16, beside llama.cpp's q8_0 cache against its f16 one.
 
-    nice -n 10 python -m bench.features.kv_int8 --model /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 2
+    nice -n 10 python -m bench kv-int8 --model /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 2
 
 (a) agreement: --num-prompts chat prompts, greedy, --agree-tokens tokens each; the share of prompts
     whose text is the same with the 8-bit cache as with the 16-bit one, for conveyor (`--kv-cache-dtype
@@ -145,8 +145,9 @@ def agreement(base: list[str], other: list[str]) -> dict:
     return {"identical": sum(same), "of": len(same), "per_prompt": same}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench kv-int8", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a GGUF file (llama-server serves the same file)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -160,7 +161,7 @@ def main() -> None:
     parser.add_argument("--peers-dir", type=Path, default=Path("/work/peers/llama"))
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prompts = (PROMPTS * 2)[:args.num_prompts]
     results: dict[str, dict] = {}
     commands: dict[str, str] = {}
@@ -221,14 +222,10 @@ def main() -> None:
           f"{i8['tokens_per_gib']:,.0f}, float16 {f16['tokens_per_gib']:,.0f} "
           f"({i8['tokens_per_gib'] / f16['tokens_per_gib']:.2f}x); llama.cpp q8_0 {llama_per_gib['q8_0']:,.0f}, "
           f"f16 {llama_per_gib['f16']:,.0f}")
-    document = {"command": "python -m bench.features.kv_int8 " + shlex.join(sys.argv[1:]), "servers": commands,
+    document = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "servers": commands,
                 "machine": report.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": prompts,
                 "agreement": figures, "decode_speedup_int8_over_float16": speedup, "attention_ms": attention,
                 "llama_cpp_tokens_per_gib": llama_per_gib, "results": results}
     out = args.out_dir / f"kv-int8-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report.write_json(out, document)
     print(f"JSON: {out}")
-
-
-if __name__ == "__main__":
-    main()

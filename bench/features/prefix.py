@@ -1,6 +1,6 @@
 """Prefix caching: TTFT of a late conversation turn and shared-system-prompt throughput, on vs off.
 
-    python -m bench.features.prefix --turns 10 --num-requests 64 --system-tokens 400
+    python -m bench prefix --turns 10 --num-requests 64 --system-tokens 400
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def shared_prompt_throughput(llm: LLM, num_requests: int, system_tokens: int, ou
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench prefix", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--answer-tokens", type=int, default=48)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench/results/prefix.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     figures: dict = {}
     for caching in (True, False):
         llm = LLM(threads=args.threads, enable_prefix_caching=caching, max_num_seqs=64,
@@ -69,11 +70,7 @@ def main() -> None:
     print(f"{args.num_requests} requests sharing a {args.system_tokens}-token system prompt: "
           f"{figures['shared_prompt_output_tok_s/on']:.1f} vs {figures['shared_prompt_output_tok_s/off']:.1f} "
           f"output tok/s ({tput_ratio:.2f}x)")
-    result = {"command": " ".join(["python -m bench.features.prefix", *sys.argv[1:]]), "figures": figures,
+    result = {"command": " ".join(["python -m bench", *sys.argv[1:]]), "figures": figures,
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()

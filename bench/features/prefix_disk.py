@@ -1,6 +1,6 @@
 """The prefix cache's disk tier: TTFT of a long prompt cold, again from memory, and after a server restart.
 
-    python -m bench.features.prefix_disk --model /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 2
+    python -m bench prefix-disk --model /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 2
 
 `conveyor serve --prefix-cache-dir DIR` (a fresh DIR) gets one --prompt-tokens prompt (seeded random
 token ids), streamed greedily for --output-tokens tokens: the cold TTFT. The same request again is
@@ -57,8 +57,9 @@ def disk_metrics(base_url: str) -> dict[str, float]:
             if line.split("{")[0] in wanted}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench prefix-disk", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file or folder (default: the bundled model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a fresh temporary folder")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--no-baseline", action="store_true", help="skip the cold run without the disk tier")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory(prefix="conveyor-kv-") as scratch:
@@ -100,7 +101,7 @@ def main() -> None:
           f"{runs['memory']['ttft_s']:.3f} s, after a restart from disk {runs['disk']['ttft_s']:.3f} s "
           f"({100 * ratio:.1f} % of cold); greedy tokens identical: {same}; {len(files)} block files, "
           f"{disk_bytes / 2**20:.1f} MiB")
-    document = {"command": "python -m bench.features.prefix_disk " + shlex.join(sys.argv[1:]), "server": shlex.join(cmd),
+    document = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "server": shlex.join(cmd),
                 "machine": report.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                 "ttft_s": {name: run["ttft_s"] for name, run in runs.items()}, "restart_over_cold": ratio,
@@ -112,7 +113,3 @@ def main() -> None:
     print(f"JSON: {out}")
     if not same:
         raise SystemExit("the restarted server's greedy tokens differ from the cold run's")
-
-
-if __name__ == "__main__":
-    main()

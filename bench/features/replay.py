@@ -1,7 +1,7 @@
 """Replay the serving benchmark's Poisson arrivals straight into an in-process engine core.
 
-    python -m bench.features.replay --rate 1.25                       # the balanced preset, as `conveyor serve`
-    python -m bench.features.replay --rate 1.25 --target-itl-ms 0     # no latency target: every step prefills all it can
+    python -m bench replay --rate 1.25                       # the balanced preset, as `conveyor serve`
+    python -m bench replay --rate 1.25 --target-itl-ms 0     # no latency target: every step prefills all it can
 
 No HTTP and no front process: TTFT and ITL are taken when a step returns, so this shows what the
 scheduling policy itself gives (the serving run adds the transport on top). Same prompts, same
@@ -58,8 +58,8 @@ def replay(core, requests, times: list[float]) -> dict:
             "duration_s": time.monotonic() - start, "max_ttft_ms": max(ttfts) * 1000}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.replay", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, required=True, help="Poisson arrivals in req/s")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2 Q4_1 GGUF)")
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--target-itl-ms", type=float, default=None, help="default: the preset's; 0 = no target")
     p.add_argument("--batch-preset", default="balanced")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from conveyor.config import EngineConfig
     from conveyor.engine.core import EngineCore
@@ -90,7 +90,3 @@ def main() -> None:
                   step_cost={"fixed_ms": cost.fixed_s * 1e3, "per_token_ms": cost.per_token_s * 1e3,
                              "per_context_token_us": cost.per_context_token_s * 1e6})
     print(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram lookup or a draft model) on against off, on the same requests, in one run.
 
-    python -m bench.features.speculative                 # code-repeat requests alone and 16 at once, 64 random-token ones
-    python -m bench.features.speculative --dtype bfloat16 --batches 1,16
-    python -m bench.features.speculative --model M.gguf --quantization none --draft-model M.gguf --workloads complete \
+    python -m bench speculative                 # code-repeat requests alone and 16 at once, 64 random-token ones
+    python -m bench speculative --dtype bfloat16 --batches 1,16
+    python -m bench speculative --model M.gguf --quantization none --draft-model M.gguf --workloads complete \
         --batches 1 --random-requests 0 --seeded      # a draft model on code completion, greedy and seeded
 
 The repeat workload asks the model to repeat, document or edit functions of Python's own standard
@@ -102,8 +102,8 @@ def best_of(runs: list[dict]) -> dict:
     return {**best, "repetitions_decode_tokens_per_s": [f["mean_request_decode_tokens_per_s"] for f in runs]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.speculative", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,16", help="repeat-workload request counts (1: --single-requests "
                                                      "requests, each alone)")
@@ -124,7 +124,7 @@ def main() -> None:
                                                          "(continue half a function as text), comma-separated")
     p.add_argument("--seeded", action="store_true", help="also run each workload with seeded sampling")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     # No prefix caching: a repetition must not find the previous one's prompts cached.
     base = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "4GiB", "max_num_seqs": 64,
             "enable_prefix_caching": False, "quantization": args.quantization}
@@ -174,7 +174,3 @@ def main() -> None:
     report.save_run("speculative", args.out_dir, {"options": {**base, **spec, "model": args.model},
                                                   "output_tokens": args.output_tokens,
                                                   "results": results})
-
-
-if __name__ == "__main__":
-    main()

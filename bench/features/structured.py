@@ -1,6 +1,6 @@
 """Structured outputs: what a JSON schema costs inside the continuous batch, in one run.
 
-    python -m bench.features.structured                  # 32 requests at once, half with a JSON schema, vs none
+    python -m bench structured                  # 32 requests at once, half with a JSON schema, vs none
 
 Throughput: the same 32 chat requests run twice on one engine, taking turns: once all free, once
 with every other request constrained by a JSON schema (an array of records long enough that every
@@ -82,8 +82,8 @@ def ttft(llm, repetitions: int) -> dict:
     return {name: {"best_s": min(values), "all_s": values} for name, values in figures.items()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.structured", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench structured", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repetitions", type=int, default=2, help="runs of each side, alternating; the best counts")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     options = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "2GiB", "max_num_seqs": 64,
                "enable_prefix_caching": False}
     print(f"CPU: {report.machine()}", flush=True)
@@ -118,7 +118,3 @@ def main() -> None:
     report.save_run("structured", args.out_dir, {"options": options, "output_tokens": args.output_tokens,
                                                  "max_length": args.max_length,
                                                  "throughput": {"runs": runs, "ratio": ratio}, "first_token": first})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this machine: the bundled model with 2 ranks against 1, one run.
 
-    python -m bench.features.tensor_parallel [--requests 1,16] [--output-tokens 64] [--dtype auto]
+    python -m bench tensor-parallel [--requests 1,16] [--output-tokens 64] [--dtype auto]
 
 Both engines use the same cores (2 ranks of threads/2 each against one rank of all threads) and
 take turns, best of the repetitions. One request measures decode (tokens after the first over the
@@ -33,8 +33,8 @@ def run(llm, prompts: list[list[int]], output_tokens: int) -> tuple[dict, list[l
             [o.outputs[0].token_ids for o in outputs])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.features.tensor_parallel", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench tensor-parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", default="1,16", help="request counts, each a run")
     p.add_argument("--output-tokens", type=int, default=64)
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="cores for either side")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from conveyor import LLM
 
     print(f"CPU: {report.machine()}", flush=True)
@@ -69,7 +69,3 @@ def main() -> None:
         llm.engine.core.close()
     report.save_run("tensor-parallel", args.out_dir, {"options": base, "output_tokens": args.output_tokens,
                                                       "results": results})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """On a CUDA GPU: conveyor offline, conveyor served, and transformers' `generate_batch`, same weights.
 
-    python -m bench.gpu.cuda --model FILE.gguf|DIR [--rows 1,64,256] [--tokens 128] [--prompt-tokens 128]
-    python -m bench.gpu.cuda --shape qwen2.5-0.5b --tokenizer DIR    # random weights of that shape (seeded)
+    python -m bench cuda --model FILE.gguf|DIR [--rows 1,64,256] [--tokens 128] [--prompt-tokens 128]
+    python -m bench cuda --shape qwen2.5-0.5b --tokenizer DIR    # random weights of that shape (seeded)
 
 Per number of requests at once (all sent together, `ignore_eos`, greedy, random token-id prompts):
 - offline: `LLM.generate` (conveyor's defaults for the device), tok/s and ms per step;
@@ -189,8 +189,8 @@ def _guarded(name: str, fn, *args) -> dict:  # noqa: ANN001 - one of the measure
         return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu.cuda", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench cuda", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--shape", choices=tuple(SHAPES), default=None, help="random weights of this shape instead")
@@ -205,7 +205,7 @@ def main() -> None:
     p.add_argument("--attention-backend", default=None, help="conveyor's --attention-backend (default: its own)")
     p.add_argument("--label", default="", help="a name for the JSON file (e.g. bundled, 0.5b)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from bench.kernels.limits import model_arch
 
     rows = [int(n) for n in args.rows.split(",")]
@@ -257,7 +257,3 @@ def main() -> None:
                                          "prompt_tokens": args.prompt_tokens, "summary": summary,
                                          "results": results})
     shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Decode on a CUDA GPU: eager steps against steps replayed from CUDA graphs, in one run.
 
-    python -m bench.gpu.cuda_decode [--model FILE] [--requests 1,16,64,256] [--tokens 128]
+    python -m bench cuda-decode [--model FILE] [--requests 1,16,64,256] [--tokens 128]
 
 Offline `LLM.generate` with `device="cuda"` (bfloat16, conveyor's defaults), once with
 `enforce_eager=True` and once with graphs: per batch size, a warm-up (which captures the graphs it
@@ -70,15 +70,15 @@ def compare(runs: dict[str, dict], base: str, other: str, sizes: list[int]) -> d
     return summary
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu.cuda_decode", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench cuda-decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--requests", default="1,16,64,256", help="comma list of requests at once")
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from bench.kernels.limits import model_arch
 
     sizes = [int(n) for n in args.requests.split(",")]
@@ -90,7 +90,3 @@ def main() -> None:
     report.save_run("cuda-decode", args.out_dir, {
         "model": args.model or "bundled", "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
         "summary": summary, "runs": runs})
-
-
-if __name__ == "__main__":
-    main()

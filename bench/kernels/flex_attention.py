@@ -1,6 +1,6 @@
 """Decode attention per step: SDPA over gathered blocks against FlexAttention reading the blocks in place.
 
-    python -m bench.kernels.flex_attention [--rows 64] [--contexts 256,4096] [--device cuda]
+    python -m bench flex-attention [--rows 64] [--contexts 256,4096] [--device cuda]
 
 One decode step's attention over every layer (--shape: heads, kv heads, head dim, layers; SmolLM2-135M's
 by default) for --rows rows, each layer with its own cache (so no layer reads another's keys from the
@@ -72,8 +72,8 @@ def measure(contexts: list[int], shape: tuple[int, int, int, int], block_size: i
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels.flex_attention", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench flex-attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--contexts", default="256,4096", help="comma list of context lengths (tokens per row)")
@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     lengths = [int(c) for c in args.contexts.split(",")]
@@ -98,7 +98,3 @@ def main() -> None:
     report.save_run("flex-attention", args.out_dir, {
         "rows": args.rows, "shape": {"heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2], "layers": shape[3]},
         "block_size": args.block_size, "dtype": args.dtype, "device": args.device, "by_case": figures})
-
-
-if __name__ == "__main__":
-    main()

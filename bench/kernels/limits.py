@@ -179,3 +179,19 @@ def compare_steps(limits: dict, decode_steps: dict[int, dict]) -> dict[int, dict
                      "torch_matmul_s": floor["torch_matmul_s"],
                      "pct_of_torch_matmul": 100 * floor["torch_matmul_s"] / stats["median_s"]}
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from bench.report import print_summary
+
+    p = argparse.ArgumentParser(prog="python -m bench limits", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-sizes", default="1,16,32,64")
+    args = p.parse_args(argv)
+    lim = measure(args.model, args.threads, [int(n) for n in args.batch_sizes.split(",")])
+    print_summary({"limits": lim, "results": {}, "base": None, "single_request_decode": {"conveyor": None},
+                   "goals": []}, None)

@@ -1,7 +1,7 @@
 """Weight bytes streamed per second by the quantized matmul against the packed float32 one.
 
-    python -m bench.kernels.quant_gemm --threads 1,2 --rows 1,4,16,64
-    python -m bench.kernels.quant_gemm --formats q4_k,q6_k --shapes 896x4864 --builds native,avx2 --repeat 5
+    python -m bench quant-gemm --threads 1,2 --rows 1,4,16,64
+    python -m bench quant-gemm --formats q4_k,q6_k --shapes 896x4864 --builds native,avx2 --repeat 5
 
 GB/s counts each format's own weight bytes once per call (what a decode step must read); the
 GFLOP/s column is 2*M*N*K / time. Calls rotate over copies of each weight that together exceed the
@@ -54,8 +54,9 @@ def _blocks(fmt: str, w: torch.Tensor) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench quant-gemm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--formats", default="f32,q8_0,q4_0,q4_1",
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--resident", action="store_true",
                         help="one copy of each weight, no rotation: with a shape that fits the caches this is the "
                              "kernel's compute ceiling, the rate it could stream at if memory kept up")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     native = kernels.cpu_features()
     libs = {}
     for name in args.builds.split(","):
@@ -121,7 +122,3 @@ def main() -> None:
                         t = statistics.median(times[name])
                         print(f"{n:>6}x{k:<5} {fmt:>5} {name:>8} {threads:>3} {m:>3} {t * 1e3:>8.3f} "
                               f"{nbytes / t / 1e9:>7.1f} {2 * m * n * k / t / 1e9:>8.1f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The scheduler's host time per decode step, without a model: what a GPU step pays in Python before and after
 its kernels.
 
-    python -m bench.kernels.scheduler_host --rows 64,256 --context 200,2000
+    python -m bench scheduler-host --rows 64,256 --context 200,2000
 
 N requests of --context prompt tokens are admitted and prefilled (plan and update only), then --steps decode
 steps are timed: `schedule()` and `update()` each, in ms per step. Pure Python, any machine.
@@ -48,19 +48,15 @@ def measure(num_rows: int, context: int, steps: int) -> tuple[float, float]:
     return 1000 * schedule_s / steps, 1000 * update_s / steps
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels.scheduler_host", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench scheduler-host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="64,256", help="comma list of decode rows per step")
     p.add_argument("--context", default="200,2000", help="comma list of prompt lengths")
     p.add_argument("--steps", type=int, default=200)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     print(f"{'rows':>5s} {'context':>8s} {'schedule ms':>12s} {'update ms':>10s}")
     for context in (int(c) for c in args.context.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             schedule_ms, update_ms = measure(rows, context, args.steps)
             print(f"{rows:5d} {context:8d} {schedule_ms:12.3f} {update_ms:10.3f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Two focused comparisons with transformers, each in one run, same weights:
 
-    python -m bench.peers.compare single --dtypes float32,bfloat16
+    python -m bench compare single --dtypes float32,bfloat16
         single-request decode tokens/s: conveyor vs transformers `generate`
-    python -m bench.peers.compare one-by-one --num-requests 64 --sequential-requests 16
+    python -m bench compare one-by-one --num-requests 64 --sequential-requests 16
         output tokens/s of the offline workload run together through conveyor, against the same
         requests one at a time through conveyor and through transformers `generate`. One-at-a-time
         rates are measured on the first --sequential-requests requests (tokens/s does not depend on
@@ -80,8 +80,9 @@ def one_by_one(args: argparse.Namespace, model_path: Path) -> dict:
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("single", "one-by-one"))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -90,16 +91,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from conveyor.model.checkpoint import default_model_path
 
     model_path = default_model_path()
     figures = single(args, model_path) if args.mode == "single" else one_by_one(args, model_path)
     out = Path(args.out or f"bench/results/compare-{args.mode}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["python -m bench.peers.compare", *sys.argv[1:]]),
+    out.write_text(json.dumps({"command": " ".join(["python -m bench", *sys.argv[1:]]),
                                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "figures": figures}, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """One-stream decode of conveyor serve and one peer, both resident, in alternating rounds.
 
-    python -m bench.peers.paired_decode --model FILE.gguf [--peer ik-llama-rtr] [--rounds 8] [--tokens 64]
+    python -m bench paired-decode --model FILE.gguf [--peer ik-llama-rtr] [--rounds 8] [--tokens 64]
 
 bench.peers.real_models runs each system in its own minutes; on a shared host the memory bandwidth a
 one-row decode step streams at swings by a third within minutes, which is larger than the gap being
@@ -34,8 +34,8 @@ def one_stream_tok_s(base_url: str, tokens: int, vocab_high: int, seed: int) -> 
     return 1000 / summarize(served(base_url, request, max_concurrency=1))["tpot_ms"]["mean"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.peers.paired_decode", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench paired-decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="a GGUF file")
     p.add_argument("--peer", default=PEERS[0], choices=PEERS)
@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--ik-dir", type=Path, default=None, help="ik_llama.cpp's tree (default: <peers-dir>/ik)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/paired_decode"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     peer = find_peers(args)[args.peer]
     if isinstance(peer, str):
         raise SystemExit(peer)
@@ -95,7 +95,3 @@ def main() -> None:
         "stream_read_bytes_per_s": [wall_before, wall_after], "decode_bytes_per_token": per_token,
         "commands": {name: " ".join(s.command(0, 1, ctx)) for name, s in systems.items()}}, None)
     print(f"JSON: {out}")
-
-
-if __name__ == "__main__":
-    main()

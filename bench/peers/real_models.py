@@ -1,8 +1,8 @@
 """conveyor serve and its peers on the GGUF files users bring, one system at a time, same threads.
 
-    python -m bench.peers.real_models --model FILE.gguf [--model FILE2.gguf ...]
-    python -m bench.peers.real_models --model FILE.gguf --quick      # fewer requests and tokens: a smoke pass
-    python -m bench.peers.real_models --model FILE.gguf --peers-dir DIR --ik-dir IK_DIR
+    python -m bench real-models --model FILE.gguf [--model FILE2.gguf ...]
+    python -m bench real-models --model FILE.gguf --quick      # fewer requests and tokens: a smoke pass
+    python -m bench real-models --model FILE.gguf --peers-dir DIR --ik-dir IK_DIR
 
 conveyor runs as `conveyor serve` with its defaults (engine core in its own process), given only
 --threads (and --conveyor-quantization / --conveyor-kv-cache-memory / --conveyor-device when asked). The
@@ -257,8 +257,8 @@ def decode_bytes_per_token(model: Path) -> int:
     return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.peers.real_models", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench real-models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, help="a GGUF file; repeat for more")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
@@ -277,7 +277,7 @@ def main() -> None:
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/real_models"))
     p.add_argument("--stream-bytes", type=int, default=2 << 30,
                    help="buffer of the stream read that one-stream decode is reported against (the wall)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sizes = parse_sizes(args.quick, args.set)
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := set(chosen) - set(SYSTEMS):
@@ -337,7 +337,3 @@ def main() -> None:
     if any(peers_that_ran(result["systems"]) for result in results.values()):
         png = plot(results, out.with_suffix(".png"))
         print(f"PNG: {png}" if png else "no PNG: matplotlib is not installed (pip install -e '.[bench]')")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The figures of `python -m bench.peers.real_models` side by side: conveyor against each peer that ran and
+"""The figures of `python -m bench real-models` side by side: conveyor against each peer that ran and
 against the best peer per metric, as a dict for the JSON, a text table and a PNG."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Single-request decode, conveyor against llama-server --parallel 1, per weight format, in one run.
 
-    python -m bench.peers.single                      # float32, bfloat16, int8, Q8_0, Q4_1
-    python -m bench.peers.single --formats q4_1,q8_0 --requests 4 --output-tokens 128
-    python -m bench.peers.single --model FILE.gguf    # any GGUF file: conveyor (its defaults) and llama-server on it
+    python -m bench single                      # float32, bfloat16, int8, Q8_0, Q4_1
+    python -m bench single --formats q4_1,q8_0 --requests 4 --output-tokens 128
+    python -m bench single --model FILE.gguf    # any GGUF file: conveyor (its defaults) and llama-server on it
 
 Every format decodes the same token-id prompts (the offline workload's first requests) with the same
 threads. conveyor: tokens after the first / time after the first (request metrics). llama-server:
@@ -71,8 +71,8 @@ def llama_rate(llama: servers.LlamaCpp, gguf: Path, threads: int, requests, log:
     return 1000 / fig["tpot_ms"]["mean"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.peers.single", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench single", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--model", default=None, help="a GGUF file for both systems instead of the bundled model's formats")
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     requests = offline_workload(args.requests, 100, 500, args.output_tokens, seed=0)
     files = gguf_paths(args.peers_dir, args.model)
     formats = dict(FORMATS)
@@ -108,12 +108,8 @@ def main() -> None:
         print(f"{name:9s} conveyor {ours:6.1f} tok/s   llama-server -np 1 ({peer}) "
               + (f"{theirs:6.1f} tok/s   {ours / theirs:.2f}x" if theirs else "not run"), flush=True)
     out = args.out_dir / f"single-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.peers.single " + " ".join(sys.argv[1:]),
+    report.write_json(out, {"command": "python -m bench " + " ".join(sys.argv[1:]),
                             "machine": report.machine(), "versions": report.versions(llama.commit() if llama else None),
                             "model": args.model, "threads": args.threads, "requests": args.requests,
                             "output_tokens": args.output_tokens, "results": rows})
     print(f"JSON: {out}")
-
-
-if __name__ == "__main__":
-    main()

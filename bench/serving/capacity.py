@@ -245,3 +245,10 @@ def run(args: argparse.Namespace) -> None:
     png = plot(results, slo, f"capacity under an SLO: {model.name}, {args.threads} threads", out.with_suffix(".png"))
     if png:
         print(f"PNG: {png}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench capacity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    run(p.parse_args(argv))

@@ -3,8 +3,8 @@ document, positive and negative data, checked for no server error, response sche
 and negative data rejection. The suite runs the same with a fixed small example count
 (tests/server/test_fuzz.py).
 
-    python -m bench.serving.fuzz --model path/to/model --examples 2000 --seed 0
-    python -m bench.serving.fuzz --url http://127.0.0.1:8000 --examples 500     # a server already running
+    python -m bench fuzz --model path/to/model --examples 2000 --seed 0
+    python -m bench fuzz --url http://127.0.0.1:8000 --examples 500     # a server already running
 
 Prints one line per operation and mode, and writes JSON (with the command) to bench/results/.
 """
@@ -66,7 +66,7 @@ def target(args: argparse.Namespace, stamp: str) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model for `conveyor serve` (default: the bundled one)")
     parser.add_argument("--url", default=None, help="fuzz this running server instead of starting one")
     parser.add_argument("--examples", type=int, default=1000, help="per operation and mode")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    report: dict = {"command": " ".join([sys.executable, "-m", "bench.serving.fuzz", *(argv or sys.argv[1:])]), "runs": []}
+    report: dict = {"command": " ".join([sys.executable, "-m", "bench", "fuzz", *(argv or sys.argv[1:])]), "runs": []}
     started = time.perf_counter()
     with target(args, stamp) as base_url:
         schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
@@ -102,7 +102,3 @@ def main(argv: list[str] | None = None) -> int:
     output.write_text(json.dumps(report, indent=2))
     print(f"wrote {output}")
     return 0 if report["num_failures"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -92,3 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before/after pair")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench head-of-line", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    run(p.parse_args(argv))

@@ -1,6 +1,6 @@
 """What the live view costs: the same serving load with no viewer and with one viewer connected.
 
-    python -m bench.serving.live_view                      # 96 requests x 64 tokens, 16 at a time, 5 rounds each
+    python -m bench live-view                      # 96 requests x 64 tokens, 16 at a time, 5 rounds each
 
 One `conveyor serve` (the bundled model, the engine core in its own process) and a second one
 started with --no-dashboard. Rounds take turns (no-dashboard, unwatched, watched; the order rotates
@@ -74,8 +74,8 @@ class Viewer:
         self._thread.join(30)   # the server pings every few seconds, so the loop sees the flag
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.serving.live_view", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench live-view", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--num-requests", type=int, default=96)
@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repetitions", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     print(f"CPU: {report.machine()}", flush=True)
     requests = offline_workload(args.num_requests, args.min_prompt, args.max_prompt, args.output_tokens)
     options = dict(model=args.model, threads=args.threads, max_num_seqs=args.concurrency,
@@ -150,7 +150,3 @@ def main() -> None:
         "cpu_watched_over_unwatched": total["watched"] / total["unwatched"],
         "cpu_unwatched_over_no_dashboard": total["unwatched"] / total["no-dashboard"],
         "watched_over_unwatched": watched_ratio, "unwatched_over_no_dashboard": unwatched_ratio})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """What serving costs over the engine: offline `LLM.generate` tok/s against `conveyor serve` tok/s.
 
-    python -m bench.serving.served_overhead                      # a tiny random-weight model on the CPU
-    python -m bench.serving.served_overhead --model bundled --device cuda --kv-cache-memory 8GiB   # on a GPU
+    python -m bench served-overhead                      # a tiny random-weight model on the CPU
+    python -m bench served-overhead --model bundled --device cuda --kv-cache-memory 8GiB   # on a GPU
 
 The default model is a random-weight llama with 2 layers of hidden 64 and the bundled model's tokenizer
 (49,152 tokens), written once to --model-dir: its steps are cheap, so what is left is the front
@@ -190,8 +190,8 @@ def served(model: str, device: str, threads: int, preset: str, sizes: list[int],
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.serving.served_overhead", description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench served-overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="GGUF file or HF folder; 'bundled' for the bundled model (default: the tiny random-weight model)")
@@ -206,7 +206,7 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "conveyor-bench",
                    help="where the tiny model is written once")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sizes = [int(s) for s in args.concurrency.split(",")]
     from conveyor.model.checkpoint import default_model_path, resolve_model_path
     from conveyor.text.tokenizer_loader import load_tokenizer
@@ -233,10 +233,6 @@ def main() -> None:
         results[n] = {"offline": o or None, "served": s, "served_over_offline": ratio}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out_dir / f"served_overhead-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench.serving.served_overhead " + " ".join(sys.argv[1:]),
+    report.write_json(out, {"command": "python -m bench " + " ".join(sys.argv[1:]),
                             "machine": report.machine(), "model": model, "device": args.device, "results": results})
     print(f"JSON: {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,8 @@
 closed mid-stream, then a burst far past a small waiting queue. Reports outcomes (5xx must be 0),
 KV blocks left in use, and the server's RSS, fds and threads before and after.
 
-    python -m bench.serving.soak --model path/to/model --streams 2000 --concurrency 64
-    python -m bench.serving.soak --streams 300 --overload 200       # the bundled model
+    python -m bench soak --model path/to/model --streams 2000 --concurrency 64
+    python -m bench soak --streams 300 --overload 200       # the bundled model
 
 Prints a table and writes JSON (with the command) to bench/results/soak-<time>.json.
 """
@@ -83,7 +83,7 @@ def wait_drained(base_url: str, timeout_s: float = 60.0) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model for `conveyor serve` (default: the bundled one)")
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         cmd += ["--model", args.model]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    report: dict = {"command": " ".join([sys.executable, "-m", "bench.serving.soak", *(argv or sys.argv[1:])])}
+    report: dict = {"command": " ".join([sys.executable, "-m", "bench", "soak", *(argv or sys.argv[1:])])}
     with launched(cmd, port, RESULTS / f"soak-{stamp}.log") as server:
         pid = server.process.pid
         asyncio.run(run_streams(server.base_url, 8, 8, 0, 4))            # warm-up
@@ -132,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
     output.write_text(json.dumps(report, indent=2))
     print(f"wrote {output}")
     return 0 if report["num_5xx"] == 0 and report["num_lost"] == 0 and usage == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

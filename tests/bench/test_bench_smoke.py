@@ -128,7 +128,7 @@ def test_summarize_counts_and_orders() -> None:
 
 
 def test_replay_times_every_request(tiny_checkpoint: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.features.replay", "--model", str(tiny_checkpoint), "--rate", "50",
+    cmd = [sys.executable, "-m", "bench", "replay", "--model", str(tiny_checkpoint), "--rate", "50",
            "--num-requests", "3", "--output-tokens", "4", "--min-prompt", "5", "--max-prompt", "20",
            "--threads", "1", "--target-itl-ms", "0"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
