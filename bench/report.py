@@ -281,14 +281,16 @@ def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> 
     return files
 
 
-def save_run(name: str, out_dir: Path, fields: dict, llama_commit: str | None = None) -> Path:
-    """Write a focused bench's run to <out_dir>/<name>-<time>.json with the command that ran it, the
-    machine and the versions in front of `fields`; print and return the path."""
+def save_run(name: str, out_dir: Path, fields: dict, llama_commit: str | None = None, *, stamp: str | None = None,
+             machine_info: dict | None = None) -> Path:
+    """Write a bench's run to <out_dir>/<name>-<stamp>.json (stamp: now) with the command that ran it, the machine
+    (`machine_info` when it was taken at the start) and the versions in front of `fields`; print and return the
+    path. Every benchmark's JSON is written here, so every run reads the same way."""
     main = sys.modules["__main__"]
     module = main.__spec__.name if getattr(main, "__spec__", None) else Path(sys.argv[0]).stem
-    out = out_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = out_dir / f"{name}-{stamp or time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(out, {"command": " ".join(["python -m", module.removesuffix(".__main__"), *sys.argv[1:]]),
-                     "machine": machine(), "versions": versions(llama_commit), **fields})
+                     "machine": machine_info or machine(), "versions": versions(llama_commit), **fields})
     print(f"JSON: {out}")
     return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from bench import report
 from conveyor import kernels
 from conveyor.text.gguf_vocab import tokenizer_from_gguf
 from conveyor.model.attention import RowSpec, build_metadata
@@ -52,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text", default=None)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
+    results = {}
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     text_path = Path(args.text) if args.text else default_text()
@@ -69,3 +72,6 @@ def main(argv: list[str] | None = None) -> None:
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         print(f"{quantization:>5}: perplexity {perplexity:.3f}, top-1 agreement with float {agree:.4f}, "
               f"prefill {elapsed:.2f} s")
+        results[quantization] = {"perplexity": perplexity, "top1_agreement": agree, "prefill_s": elapsed}
+    report.save_run("quant-accuracy", args.out_dir, {"model": str(path), "text": str(text_path), "tokens": len(ids),
+                                                     "results": results})

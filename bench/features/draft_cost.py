@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--drafts", default="0,1,2,4", help="guesses per request")
     p.add_argument("--repetitions", type=int, default=10)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     from conveyor.config import EngineConfig
     from conveyor.core.plan import ScheduledRow, StepPlan

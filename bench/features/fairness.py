@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repetitions", type=int, default=2)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     options = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "2GiB",
                "max_num_seqs": args.max_num_seqs, "enable_prefix_caching": False}

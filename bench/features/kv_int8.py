@@ -30,7 +30,6 @@ import json
 import random
 import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-shape", default="14,2,64,24", help="heads,kv heads,head dim,layers")
     parser.add_argument("--peers-dir", type=Path, default=Path("/work/peers/llama"))
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
     prompts = (PROMPTS * 2)[:args.num_prompts]
     results: dict[str, dict] = {}
@@ -222,10 +221,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{i8['tokens_per_gib']:,.0f}, float16 {f16['tokens_per_gib']:,.0f} "
           f"({i8['tokens_per_gib'] / f16['tokens_per_gib']:.2f}x); llama.cpp q8_0 {llama_per_gib['q8_0']:,.0f}, "
           f"f16 {llama_per_gib['f16']:,.0f}")
-    document = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "servers": commands,
-                "machine": report.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": prompts,
-                "agreement": figures, "decode_speedup_int8_over_float16": speedup, "attention_ms": attention,
-                "llama_cpp_tokens_per_gib": llama_per_gib, "results": results}
-    out = args.out_dir / f"kv-int8-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(out, document)
-    print(f"JSON: {out}")
+    report.save_run("kv-int8", args.out_dir, {
+        "servers": commands, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": prompts, "agreement": figures,
+        "decode_speedup_int8_over_float16": speedup, "attention_ms": attention,
+        "llama_cpp_tokens_per_gib": llama_per_gib, "results": results}, llama.commit() if llama else None)

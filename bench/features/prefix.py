@@ -6,12 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 import time
 from pathlib import Path
 
+from bench import report
 from conveyor import LLM, SamplingParams
 
 
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system-tokens", type=int, default=400)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench/results/prefix.json")
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
     figures: dict = {}
     for caching in (True, False):
@@ -70,7 +69,5 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.num_requests} requests sharing a {args.system_tokens}-token system prompt: "
           f"{figures['shared_prompt_output_tok_s/on']:.1f} vs {figures['shared_prompt_output_tok_s/off']:.1f} "
           f"output tok/s ({tput_ratio:.2f}x)")
-    result = {"command": " ".join(["python -m bench", *sys.argv[1:]]), "figures": figures,
-              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    report.save_run("prefix", args.out_dir, {"options": {k: v for k, v in vars(args).items() if k != "out_dir"},
+                                             "figures": figures})

@@ -16,7 +16,6 @@ import argparse
 import json
 import random
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a fresh temporary folder")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     parser.add_argument("--no-baseline", action="store_true", help="skip the cold run without the disk tier")
     args = parser.parse_args(argv)
     rng = random.Random(0)
@@ -101,15 +100,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{runs['memory']['ttft_s']:.3f} s, after a restart from disk {runs['disk']['ttft_s']:.3f} s "
           f"({100 * ratio:.1f} % of cold); greedy tokens identical: {same}; {len(files)} block files, "
           f"{disk_bytes / 2**20:.1f} MiB")
-    document = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "server": shlex.join(cmd),
-                "machine": report.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    report.save_run("prefix-disk", args.out_dir, {
+                "server": shlex.join(cmd), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                 "ttft_s": {name: run["ttft_s"] for name, run in runs.items()}, "restart_over_cold": ratio,
                 "identical_tokens": same, "num_block_files": len(files), "disk_bytes": disk_bytes,
                 "metrics": {name: run["metrics"] for name, run in runs.items() if "metrics" in run},
-                "startup_s": {name: run["startup_s"] for name, run in runs.items() if "startup_s" in run}}
-    out = args.out_dir / f"prefix-disk-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(out, document)
-    print(f"JSON: {out}")
+                "startup_s": {name: run["startup_s"] for name, run in runs.items() if "startup_s" in run}})
     if not same:
         raise SystemExit("the restarted server's greedy tokens differ from the cold run's")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
+from bench import report
 from bench.serving.metrics import distribution_ms
 from bench.workloads import add_workload_arguments, arrival_times, offline_workload, warmup_workload
 
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--target-itl-ms", type=float, default=None, help="default: the preset's; 0 = no target")
     p.add_argument("--batch-preset", default="balanced")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
 
     from conveyor.config import EngineConfig
@@ -90,3 +93,4 @@ def main(argv: list[str] | None = None) -> None:
                   step_cost={"fixed_ms": cost.fixed_s * 1e3, "per_token_ms": cost.per_token_s * 1e3,
                              "per_context_token_us": cost.per_context_token_s * 1e6})
     print(json.dumps(result, indent=1))
+    report.save_run("replay", args.out_dir, result)

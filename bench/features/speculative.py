@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", default="repeat", help="repeat (chat: repeat/edit a function) and/or complete "
                                                          "(continue half a function as text), comma-separated")
     p.add_argument("--seeded", action="store_true", help="also run each workload with seeded sampling")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     # No prefix caching: a repetition must not find the previous one's prompts cached.
     base = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "4GiB", "max_num_seqs": 64,

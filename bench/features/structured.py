@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repetitions", type=int, default=2, help="runs of each side, alternating; the best counts")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     options = {"threads": args.threads, "dtype": args.dtype, "kv_cache_memory": "2GiB", "max_num_seqs": 64,
                "enable_prefix_caching": False}

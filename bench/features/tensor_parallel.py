@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2, help="cores for either side")
     p.add_argument("--repetitions", type=int, default=3)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     from conveyor import LLM
 

@@ -184,14 +184,18 @@ def compare_steps(limits: dict, decode_steps: dict[int, dict]) -> dict[int, dict
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from bench.report import print_summary
+    from pathlib import Path
+
+    from bench import report
 
     p = argparse.ArgumentParser(prog="python -m bench limits", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,16,32,64")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
     lim = measure(args.model, args.threads, [int(n) for n in args.batch_sizes.split(",")])
-    print_summary({"limits": lim, "results": {}, "base": None, "single_request_decode": {"conveyor": None},
-                   "goals": []}, None)
+    report.print_summary({"limits": lim, "results": {}, "base": None, "single_request_decode": {"conveyor": None},
+                          "goals": []}, None)
+    report.save_run("limits", args.out_dir, {"limits": lim})

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench import report
 from conveyor import kernels
 from conveyor.kernels import gemm as fgemm
 from conveyor.kernels import quant
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resident", action="store_true",
                         help="one copy of each weight, no rotation: with a shape that fits the caches this is the "
                              "kernel's compute ceiling, the rate it could stream at if memory kept up")
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
+    rows: list[dict] = []
     native = kernels.cpu_features()
     libs = {}
     for name in args.builds.split(","):
@@ -103,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.set_num_threads(threads)
                 if args.stream:
                     from bench.kernels.limits import stream_read_bandwidth
-                    print(f"{'stream read':>24} {threads:>3}  {'':>12} {stream_read_bandwidth(threads) / 1e9:>7.1f}")
+                    wall = stream_read_bandwidth(threads)
+                    rows.append({"stream_read_gb_s": wall / 1e9, "threads": threads})
+                    print(f"{'stream read':>24} {threads:>3}  {'':>12} {wall / 1e9:>7.1f}")
                 for m in map(int, args.rows.split(",")):
                     x = torch.randn(m, k)
                     times: dict[str, list[float]] = {name: [] for name in libs}
@@ -120,5 +126,9 @@ def main(argv: list[str] | None = None) -> None:
                             times[name].append(_time(call, args.min_time))
                     for name in libs:
                         t = statistics.median(times[name])
+                        rows.append({"n": n, "k": k, "format": fmt, "build": name, "threads": threads, "m": m,
+                                     "ms": t * 1e3, "gb_s": nbytes / t / 1e9, "gflop_s": 2 * m * n * k / t / 1e9})
                         print(f"{n:>6}x{k:<5} {fmt:>5} {name:>8} {threads:>3} {m:>3} {t * 1e3:>8.3f} "
                               f"{nbytes / t / 1e9:>7.1f} {2 * m * n * k / t / 1e9:>8.1f}", flush=True)
+    options = {key: value for key, value in vars(args).items() if key != "out_dir"}
+    report.save_run("quant-gemm", args.out_dir, {"options": options, "results": rows})

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+from bench import report
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import Request
@@ -54,9 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="64,256", help="comma list of decode rows per step")
     p.add_argument("--context", default="200,2000", help="comma list of prompt lengths")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = p.parse_args(argv)
+    results = []
     print(f"{'rows':>5s} {'context':>8s} {'schedule ms':>12s} {'update ms':>10s}")
     for context in (int(c) for c in args.context.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             schedule_ms, update_ms = measure(rows, context, args.steps)
             print(f"{rows:5d} {context:8d} {schedule_ms:12.3f} {update_ms:10.3f}", flush=True)
+            results.append({"rows": rows, "context": context, "schedule_ms": schedule_ms, "update_ms": update_ms})
+    report.save_run("scheduler-host", args.out_dir, {"steps": args.steps, "results": results})

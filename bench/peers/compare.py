@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
+from bench import report
 from bench.peers import conveyor_offline, hf_peers
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
 
@@ -90,13 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
     from conveyor.model.checkpoint import default_model_path
 
     model_path = default_model_path()
     figures = single(args, model_path) if args.mode == "single" else one_by_one(args, model_path)
-    out = Path(args.out or f"bench/results/compare-{args.mode}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["python -m bench", *sys.argv[1:]]),
-                               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "figures": figures}, indent=2))
+    report.save_run(f"compare-{args.mode}", args.out_dir, {"mode": args.mode, "figures": figures})

@@ -11,7 +11,6 @@ import argparse
 import gc
 import os
 import shlex
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests run one at a time for conveyor's single-request decode rate (0 = skip)")
     p.add_argument("--logprobs", action="store_true", help="ask servers for logprobs to count streamed tokens")
     p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR, help="where build_llama_cpp.sh built")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--no-limits", action="store_true", help="skip measuring the physical limit")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--log-dir", type=Path, default=Path("bench/results/run"), help="the servers' logs, one folder a run")
 
 
 class Runner:
@@ -89,7 +89,7 @@ class Runner:
         self.max_num_seqs = args.max_num_seqs or max(self.conveyor_seqs)
         self.results: dict[str, dict] = {}
         self.samples: dict[str, dict] = {}
-        self.log_dir = args.out_dir / stamp / "logs"
+        self.log_dir = args.log_dir / stamp
         self.slo = (args.goodput_ttft_ms / 1000, args.goodput_tpot_ms / 1000)
         self.single: dict | None = None
         self.conveyor_steps: dict | None = None
@@ -267,8 +267,7 @@ def run(args: argparse.Namespace) -> dict:
     families = selected_families(args.systems, args.model)
     resolve_conveyor_options(args)
     runner = Runner(args, stamp)
-    command = "python -m bench " + shlex.join(sys.argv[1:])
-    document: dict = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    document: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                       "machine": report.machine(), "families": families}
     llama, ggufs = runner.llama_ggufs() if any(f.startswith("llama") for f in families) else (None, {})
     document["versions"] = report.versions(llama.commit() if llama else None)
@@ -355,11 +354,12 @@ def finish(args: argparse.Namespace, runner: Runner, document: dict, stamp: str)
                                            if llama_p1.get("tpot_ms", {}).get("mean") else None},
                     goals=report.goals(results, base_key, floor, runner.single, peer),
                     samples=runner.samples, finished=time.strftime("%Y-%m-%d %H:%M:%S %z"))
-    out_json = args.out_dir / f"{stamp}.json"
     if not args.no_plots:
-        document["plots"] = report.plots(results, runner.samples, args.out_dir / stamp)
-    report.write_json(out_json, document)
-    report.print_summary(document, out_json)
+        document["plots"] = report.plots(results, runner.samples, args.out_dir / f"run-{stamp}")
+    report.print_summary(document, None)
+    fields = {key: value for key, value in document.items() if key not in ("machine", "versions")}
+    report.save_run("run", args.out_dir, fields, document["versions"]["llama.cpp"], stamp=stamp,
+                    machine_info=document["machine"])
     return document
 
 

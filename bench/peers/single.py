@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -83,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers-dir", type=Path, default=servers.DEFAULT_PEERS_DIR)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--log-dir", type=Path, default=Path("bench/results/single"), help="llama-server's logs")
     args = p.parse_args(argv)
     requests = offline_workload(args.requests, 100, 500, args.output_tokens, seed=0)
     files = gguf_paths(args.peers_dir, args.model)
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         formats = {"model": ({k: v for k, v in options.items() if v is not None}, "model")}
     llama = servers.LlamaCpp.find(args.peers_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     peer_rates: dict[str, float] = {}
     rows = {}
     for name in formats if args.model else args.formats.split(","):
@@ -101,15 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         ours = conveyor_rate(options, files, args.threads, requests)
         if peer not in peer_rates and llama is not None and files[peer].is_file():
             peer_rates[peer] = llama_rate(llama, files[peer], args.threads, requests,
-                                          args.out_dir / f"single-{stamp}-llama-{peer}.log")
+                                          args.log_dir / f"single-{stamp}-llama-{peer}.log")
         theirs = peer_rates.get(peer)
         rows[name] = {"conveyor_tok_s": ours, "llama_server_file": peer, "llama_server_tok_s": theirs,
                       "ratio": ours / theirs if theirs else None}
         print(f"{name:9s} conveyor {ours:6.1f} tok/s   llama-server -np 1 ({peer}) "
               + (f"{theirs:6.1f} tok/s   {ours / theirs:.2f}x" if theirs else "not run"), flush=True)
-    out = args.out_dir / f"single-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "versions": report.versions(llama.commit() if llama else None),
-                            "model": args.model, "threads": args.threads, "requests": args.requests,
-                            "output_tokens": args.output_tokens, "results": rows})
-    print(f"JSON: {out}")
+    report.save_run("single", args.out_dir, {"model": args.model, "threads": args.threads, "requests": args.requests,
+                                             "output_tokens": args.output_tokens, "results": rows},
+                    llama.commit() if llama else None)

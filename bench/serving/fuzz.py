@@ -6,14 +6,13 @@ and negative data rejection. The suite runs the same with a fixed small example 
     python -m bench fuzz --model path/to/model --examples 2000 --seed 0
     python -m bench fuzz --url http://127.0.0.1:8000 --examples 500     # a server already running
 
-Prints one line per operation and mode, and writes JSON (with the command) to bench/results/.
+Prints one line per operation and mode, and writes JSON (`report.save_run`) to --out-dir.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -26,9 +25,10 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import negative_data_rejection, response_schema_conformance
 
+from bench.report import save_run
 from bench.serving.servers import free_port, launched
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+LOGS = Path(__file__).resolve().parents[1] / "results"
 CHECKS = [not_a_server_error, response_schema_conformance, negative_data_rejection]
 
 
@@ -61,7 +61,7 @@ def target(args: argparse.Namespace, stamp: str) -> Iterator[str]:
            "--kv-cache-memory", "256MiB", "--max-model-len", str(args.max_model_len), "--log-level", "WARNING"]
     if args.model:
         cmd += ["--model", args.model]
-    with launched(cmd, port, RESULTS / f"fuzz-{stamp}.log") as server:
+    with launched(cmd, port, LOGS / f"fuzz-{stamp}.log") as server:
         yield server.base_url
 
 
@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=64, help="keeps every accepted request short")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    report: dict = {"command": " ".join([sys.executable, "-m", "bench", "fuzz", *(argv or sys.argv[1:])]), "runs": []}
+    report: dict = {"runs": []}
     started = time.perf_counter()
     with target(args, stamp) as base_url:
         schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
@@ -97,8 +97,5 @@ def main(argv: list[str] | None = None) -> int:
     report["num_failures"] = sum(run["failure"] is not None for run in report["runs"])
     print(f"{sum(r['cases'] for r in report['runs'])} cases in {report['seconds']} s, "
           f"{report['num_failures']} failures")
-    output = args.output or RESULTS / f"fuzz-{stamp}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {output}")
+    save_run("fuzz", args.out_dir, report)
     return 0 if report["num_failures"] == 0 else 1

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -204,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="passed to both (e.g. 8GiB on a GPU)")
     p.add_argument("--skip-offline", action="store_true", help="served only (profiling the server)")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--log-dir", type=Path, default=Path("bench/results/served_overhead"), help="the server's log")
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "conveyor-bench",
                    help="where the tiny model is written once")
     args = p.parse_args(argv)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab_high = min(10_000, load_tokenizer(resolve_model_path(model)).vocab_size)
     common = (args.device, args.threads, args.batch_preset, sizes, args.prompt_tokens, args.tokens, vocab_high, args.kv_cache_memory)
     off = {} if args.skip_offline else offline(model, *common)
-    srv = served(model, *common, args.out_dir)
+    srv = served(model, *common, args.log_dir)
     results = {}
     # CPU microseconds per token: the offline process's, and the server's front and core processes' while
     # streaming; on a shared or small machine these say more than the wall-clock rates.
@@ -231,8 +231,4 @@ def main(argv: list[str] | None = None) -> None:
               f"{o.get('cpu_us_per_token', nan):15.1f} {stream.get('front_cpu_us_per_token', nan):6.1f} "
               f"{stream.get('core_cpu_us_per_token', nan):6.1f}", flush=True)
         results[n] = {"offline": o or None, "served": s, "served_over_offline": ratio}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out_dir / f"served_overhead-{stamp}.json"
-    report.write_json(out, {"command": "python -m bench " + " ".join(sys.argv[1:]),
-                            "machine": report.machine(), "model": model, "device": args.device, "results": results})
-    print(f"JSON: {out}")
+    report.save_run("served-overhead", args.out_dir, {"model": model, "device": args.device, "results": results})

@@ -5,14 +5,13 @@ KV blocks left in use, and the server's RSS, fds and threads before and after.
     python -m bench soak --model path/to/model --streams 2000 --concurrency 64
     python -m bench soak --streams 300 --overload 200       # the bundled model
 
-Prints a table and writes JSON (with the command) to bench/results/soak-<time>.json.
+Prints a table and writes JSON (`report.save_run`) to --out-dir.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections import Counter
@@ -21,9 +20,10 @@ from pathlib import Path
 import httpx
 
 from bench.serving.client import sse_lines
+from bench.report import save_run
 from bench.serving.servers import free_port, launched
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+LOGS = Path(__file__).resolve().parents[1] / "results"
 
 
 def process_figures(pid: int) -> dict[str, int]:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--overload", type=int, default=200, help="streams in one burst at a queue of 8 (0 = skip)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     args = parser.parse_args(argv)
 
     port = free_port()
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         cmd += ["--model", args.model]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    report: dict = {"command": " ".join([sys.executable, "-m", "bench", "soak", *(argv or sys.argv[1:])])}
-    with launched(cmd, port, RESULTS / f"soak-{stamp}.log") as server:
+    report: dict = {}
+    with launched(cmd, port, LOGS / f"soak-{stamp}.log") as server:
         pid = server.process.pid
         asyncio.run(run_streams(server.base_url, 8, 8, 0, 4))            # warm-up
         wait_drained(server.base_url)
@@ -127,8 +127,5 @@ def main(argv: list[str] | None = None) -> int:
           f"KV usage after: {usage:g}")
     for key in ("rss_kib", "fds", "threads"):
         print(f"{key:8} before {report['before'][key]:>9}  after {report['after'][key]:>9}")
-    output = args.output or RESULTS / f"soak-{stamp}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {output}")
+    save_run("soak", args.out_dir, report)
     return 0 if report["num_5xx"] == 0 and report["num_lost"] == 0 and usage == 0 else 1

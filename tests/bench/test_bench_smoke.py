@@ -53,7 +53,7 @@ def bench_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
            "--model", str(tiny_checkpoint), "--num-requests", str(NUM_REQUESTS), "--output-tokens", str(OUTPUT_TOKENS),
            "--min-prompt", "10", "--max-prompt", "40", "--concurrency", "4", "--threads", "1",
            "--kv-cache-memory", "64MiB", "--single-requests", "1", "--logprobs",
-           "--out-dir", str(out_dir)]
+           "--out-dir", str(out_dir), "--log-dir", str(out_dir / "logs")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list(out_dir.glob("*.json"))
@@ -127,13 +127,15 @@ def test_summarize_counts_and_orders() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
 
 
-def test_replay_times_every_request(tiny_checkpoint: Path) -> None:
+def test_replay_times_every_request(tiny_checkpoint: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench", "replay", "--model", str(tiny_checkpoint), "--rate", "50",
            "--num-requests", "3", "--output-tokens", "4", "--min-prompt", "5", "--max-prompt", "20",
-           "--threads", "1", "--target-itl-ms", "0"]
+           "--threads", "1", "--target-itl-ms", "0", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+    [record] = tmp_path.glob("replay-*.json")
+    result = json.loads(record.read_text())
+    assert result["command"].startswith("python -m bench replay --model")
     check_distribution(result["ttft_ms"])
     check_distribution(result["itl_ms"])
     assert result["options"]["target_itl_ms"] is None and result["max_ttft_ms"] >= result["ttft_ms"]["p99"]

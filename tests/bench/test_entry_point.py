@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,19 @@ def test_each_benchmark_parses_its_own_flags_under_its_name(name: str) -> None:
         main([name, "--help"])
     assert exit_info.value.code == 0
     assert out.getvalue().startswith(f"usage: python -m bench {name} ")
+    assert "--out-dir" in out.getvalue()   # every benchmark writes its JSON there, docs/bench by default
+
+
+def test_a_run_is_recorded_as_every_run_is(tmp_path: Path) -> None:
+    """The command that reproduces it, the machine and the versions first, then the benchmark's own fields."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "scheduler-host", "--rows", "2", "--context", "20",
+                           "--steps", "3", "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [path] = tmp_path.glob("scheduler-host-*.json")
+    record = json.loads(path.read_text())
+    assert list(record)[:3] == ["command", "machine", "versions"]
+    assert record["command"] == f"python -m bench scheduler-host --rows 2 --context 20 --steps 3 --out-dir {tmp_path}"
+    assert record["machine"]["logical_cpus"] and "torch" in record["versions"]
+    [row] = record["results"]
+    assert row["rows"] == 2 and row["context"] == 20 and row["schedule_ms"] > 0 and row["update_ms"] > 0

@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_served_and_offline_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench", "served-overhead", "--model", str(tiny_checkpoint), "--concurrency", "1,3",
-           "--tokens", "6", "--prompt-tokens", "5", "--kv-cache-memory", "32MiB", "--out-dir", str(tmp_path)]
+           "--tokens", "6", "--prompt-tokens", "5", "--kv-cache-memory", "32MiB",
+           "--out-dir", str(tmp_path), "--log-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [result_file] = tmp_path.glob("served_overhead-*.json")
+    [result_file] = tmp_path.glob("served-overhead-*.json")
     record = json.loads(result_file.read_text())
     assert record["command"].startswith("python -m bench served-overhead")
     for n in ("1", "3"):
