@@ -19,10 +19,10 @@ import statistics
 from pathlib import Path
 
 from bench import report
-from bench.serving import servers
 from bench.kernels.limits import model_arch, stream_read_bandwidth
-from bench.serving.metrics import summarize
 from bench.peers.real_models import conveyor_server, decode_bytes_per_token, find_peers, llama_server, served
+from bench.serving import servers
+from bench.serving.metrics import summarize
 from bench.workloads import offline_workload, warmup_workload
 
 PEERS = ("ik-llama-rtr", "ik-llama", "llama-server")

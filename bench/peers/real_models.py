@@ -39,10 +39,10 @@ from pathlib import Path
 import httpx
 
 from bench import report
-from bench.serving import servers
-from bench.peers.real_models_report import compare, peers_that_ran, plot, table
-from bench.serving.client import ServingRun, greedy_text, run_serving
 from bench.kernels.limits import model_arch, stream_read_bandwidth
+from bench.peers.real_models_report import compare, peers_that_ran, plot, table
+from bench.serving import servers
+from bench.serving.client import ServingRun, greedy_text, run_serving
 from bench.serving.metrics import summarize
 from bench.workloads import OfflineRequest, offline_workload, warmup_workload
 from conveyor.model.checkpoint import is_gguf

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from bench import report
+from bench.peers.conveyor_offline import single_stream_decode
 from bench.serving import servers
 from bench.serving.client import run_serving
-from bench.peers.conveyor_offline import single_stream_decode
 from bench.serving.metrics import summarize
 from bench.workloads import offline_workload
 

@@ -27,8 +27,8 @@ import httpx
 
 from bench import report
 from bench.serving import servers
-from bench.serving.metrics import percentile
 from bench.serving.client import sse_lines
+from bench.serving.metrics import percentile
 from bench.workloads import offline_workload
 
 

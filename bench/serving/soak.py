@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving.client import sse_lines
 from bench.report import save_run
+from bench.serving.client import sse_lines
 from bench.serving.servers import free_port, launched
 
 LOGS = Path(__file__).resolve().parents[1] / "results"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving import servers
 from bench.peers.real_models import QUICK, SYSTEMS, Sizes, parse_sizes
 from bench.peers.real_models_report import compare, plot, table
+from bench.serving import servers
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"first_start": 0, "decode_requests": 1, "decode_tokens": 4, "prompt_tokens": 32, "prompt_repeats": 1,
