@@ -181,6 +181,49 @@ def goals_text(rows: list[dict]) -> str:
     return "\n".join(f"  {r['goal']:58s} {r['target']:>10s}  {r['value']:40s} {marks[r['met']]}" for r in rows)
 
 
+def print_summary(document: dict, out_json: Path | None) -> None:
+    if document["results"]:
+        print()
+        print(table(document["results"], document["base"]))
+    lim = document.get("limits")
+    if lim:
+        rates = ", ".join(f"M={m}: {r / 1e9:.0f}" for m, r in lim["matmul_flops_per_s"].items())
+        rates += f" (peak {lim['peak_matmul_flops_per_s'] / 1e9:.0f})"
+        bw = lim["bandwidth"]
+        print(f"\nphysical limit ({lim['threads']} threads): float32 matmul GFLOP/s {rates}; bandwidth read "
+              f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s; "
+              f"{lim['weight_bytes'] / 1e6:.0f} MB of weights, {lim['flops_per_token'] / 1e9:.3f} GFLOP/token")
+        for b, f in lim["decode_step_floor"].items():
+            print(f"  decode step floor at batch {b:3d}: {f['floor_s'] * 1000:7.2f} ms ({f['bound']} bound); "
+                  f"torch's matmuls alone take {f['torch_matmul_s'] * 1000:.2f} ms")
+        for rows, c in sorted(lim.get("conveyor_decode_steps", {}).items(), key=lambda kv: -kv[1]["num_steps"])[:6]:
+            print(f"  conveyor decode step at batch {rows:3d}: {c['measured_s'] * 1000:7.2f} ms (median of "
+                  f"{c['num_steps']} steps) = {c['pct_of_floor']:.0f}% of the floor, "
+                  f"{c['pct_of_torch_matmul']:.0f}% of torch's matmul time"
+                  + ("  (over 100%: other load slowed the limit measurement)" if c["pct_of_floor"] > 100 else ""))
+        if lim.get("note"):
+            print(f"  ({lim['note']})")
+        wf = lim.get("workload_floor")
+        if wf:
+            print(f"  workload floor: {wf['total_s']:.1f} s (prefill {wf['prefill_s']:.1f} s + decode "
+                  f"{wf['decode_s']:.1f} s at batch {wf['decode_batch']}) = "
+                  f"{wf['output_tokens_per_s']:.0f} output tok/s")
+    single = document["single_request_decode"]
+    if single["conveyor"]:
+        peers = [(key.removesuffix("/p1_tok_s"), rate) for key, rate in single.items()
+                 if key.endswith("/p1_tok_s") and rate]
+        print(f"\nsingle-request decode: conveyor {single['conveyor']['decode_tokens_per_s']:.1f} tok/s"
+              + "".join(f", {name} --parallel 1 {rate:.1f} tok/s" for name, rate in peers))
+    if document["goals"]:
+        print("\ngoals:")
+        print(goals_text(document["goals"]))
+    if out_json is not None:
+        print(f"\nJSON: {out_json}")
+    plots = document.get("plots")
+    if plots:
+        print("plots: " + (", ".join(plots) if isinstance(plots, list) else plots))
+
+
 # ----------------------------------------------------------------------------- plots
 
 
@@ -238,14 +281,16 @@ def plots(results: dict[str, dict], samples: dict[str, dict], out_dir: Path) -> 
     return files
 
 
-def save_run(name: str, out_dir: Path, fields: dict, llama_commit: str | None = None) -> Path:
-    """Write a focused bench's run to <out_dir>/<name>-<time>.json with the command that ran it, the
-    machine and the versions in front of `fields`; print and return the path."""
+def save_run(name: str, out_dir: Path, fields: dict, llama_commit: str | None = None, *, stamp: str | None = None,
+             machine_info: dict | None = None) -> Path:
+    """Write a bench's run to <out_dir>/<name>-<stamp>.json (stamp: now) with the command that ran it, the machine
+    (`machine_info` when it was taken at the start) and the versions in front of `fields`; print and return the
+    path. Every benchmark's JSON is written here, so every run reads the same way."""
     main = sys.modules["__main__"]
     module = main.__spec__.name if getattr(main, "__spec__", None) else Path(sys.argv[0]).stem
-    out = out_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = out_dir / f"{name}-{stamp or time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(out, {"command": " ".join(["python -m", module.removesuffix(".__main__"), *sys.argv[1:]]),
-                     "machine": machine(), "versions": versions(llama_commit), **fields})
+                     "machine": machine_info or machine(), "versions": versions(llama_commit), **fields})
     print(f"JSON: {out}")
     return out
 

@@ -24,8 +24,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.client import wait_healthy  # noqa: E402
-from bench.servers import free_port  # noqa: E402
+from bench.serving.client import wait_healthy  # noqa: E402
+from bench.serving.servers import free_port  # noqa: E402
 
 DASHBOARD = ROOT / "docs" / "grafana" / "conveyor.json"
 PROMPTS = [

@@ -2,7 +2,7 @@
 # What a lent GPU machine needs to run conveyor's CUDA tests and benchmarks, prepared here (that machine
 # reaches no package index, runs Python 3.12, and takes at most 64 MiB of the checkout a call):
 #   .whl/  Python 3.12 wheels of the server extra and gguf that its image lacks
-#   .gpu/  Qwen2.5's tokenizer, for `bench.cuda --shape qwen2.5-0.5b` (from a Qwen GGUF file, if given)
+#   .gpu/  Qwen2.5's tokenizer, for `python -m bench cuda --shape qwen2.5-0.5b` (from a Qwen GGUF file, if given)
 #   .q1/ .q2/  the bundled model, xz-compressed, in two parts (one call carries each)
 # Usage: scripts/gpu_prepare.sh [QWEN_GGUF]; then scripts/gpu_run.sh says how to run it there.
 set -euo pipefail

@@ -23,8 +23,8 @@ tests)
         tests/parity/test_decode_graphs.py tests/model/test_triton_layer.py tests/model/test_gpu_quant.py \
         tests/model/test_flex_attention.py tests/parity/test_flex_parity.py 2>&1 | tail -6 ;;
 bench)
-    timeout 120 python3 -m bench.cuda --rows 1,64 --tokens 128 --systems offline,served --label bundled --out-dir $OUT 2>&1 | quiet | tail -8
-    timeout 150 python3 -m bench.cuda --shape qwen2.5-0.5b --tokenizer /tmp/tok/qwen-tok --rows 1,256 --tokens 64 \
+    timeout 120 python3 -m bench cuda --rows 1,64 --tokens 128 --systems offline,served --label bundled --out-dir $OUT 2>&1 | quiet | tail -8
+    timeout 150 python3 -m bench cuda --shape qwen2.5-0.5b --tokenizer /tmp/tok/qwen-tok --rows 1,256 --tokens 64 \
         --systems offline,transformers --label 0.5b --out-dir $OUT 2>&1 | quiet | tail -8 ;;
 *) echo "usage: $0 setup|bundled|tests|bench" >&2; exit 2 ;;
 esac

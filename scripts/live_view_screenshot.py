@@ -21,8 +21,8 @@ from live_view_load import run_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.client import wait_healthy  # noqa: E402
-from bench.servers import free_port  # noqa: E402
+from bench.serving.client import wait_healthy  # noqa: E402
+from bench.serving.servers import free_port  # noqa: E402
 
 
 def main() -> None:

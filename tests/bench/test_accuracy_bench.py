@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.accuracy import _figure, base_tokens, score_window, windows
+from bench.accuracy.perplexity import _figure, base_tokens, score_window, windows
 
 LOG = """chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p
    1      12.9163 ±    1.2031       0.00165 ±    0.00519       0.00290 ±    0.00016     1.440 ±  0.120 %    97.647 ±  0.950 %

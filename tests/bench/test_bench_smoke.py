@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.client import RequestRecord, ServingRun
-from bench.metrics import percentile, summarize
+from bench.serving.client import RequestRecord, ServingRun
+from bench.serving.metrics import percentile, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS, OUTPUT_TOKENS = 4, 8
@@ -53,7 +53,7 @@ def bench_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
            "--model", str(tiny_checkpoint), "--num-requests", str(NUM_REQUESTS), "--output-tokens", str(OUTPUT_TOKENS),
            "--min-prompt", "10", "--max-prompt", "40", "--concurrency", "4", "--threads", "1",
            "--kv-cache-memory", "64MiB", "--single-requests", "1", "--logprobs",
-           "--out-dir", str(out_dir)]
+           "--out-dir", str(out_dir), "--log-dir", str(out_dir / "logs")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list(out_dir.glob("*.json"))
@@ -127,13 +127,15 @@ def test_summarize_counts_and_orders() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
 
 
-def test_replay_times_every_request(tiny_checkpoint: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.replay", "--model", str(tiny_checkpoint), "--rate", "50",
+def test_replay_times_every_request(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bench", "replay", "--model", str(tiny_checkpoint), "--rate", "50",
            "--num-requests", "3", "--output-tokens", "4", "--min-prompt", "5", "--max-prompt", "20",
-           "--threads", "1", "--target-itl-ms", "0"]
+           "--threads", "1", "--target-itl-ms", "0", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+    [record] = tmp_path.glob("replay-*.json")
+    result = json.loads(record.read_text())
+    assert result["command"].startswith("python -m bench replay --model")
     check_distribution(result["ttft_ms"])
     check_distribution(result["itl_ms"])
     assert result["options"]["target_itl_ms"] is None and result["max_ttft_ms"] >= result["ttft_ms"]["p99"]
@@ -155,7 +157,7 @@ def test_model_file_is_the_llama_peer(tmp_path: Path) -> None:
     defaults; the bundled model and HF folders keep float32/none against the F32 peer."""
     import argparse
 
-    from bench.run import MODEL_PEER, peer_family, resolve_conveyor_options, selected_families
+    from bench.peers.run import MODEL_PEER, peer_family, resolve_conveyor_options, selected_families
 
     gguf, folder = tmp_path / "m.gguf", tmp_path / "hf"
     gguf.write_bytes(b"GGUF" + bytes(16))
@@ -189,7 +191,7 @@ IK_HELP = """usage: llama-server [options]
 def test_ik_llama_command_from_help() -> None:
     """ik_llama's flags come from its --help as whole tokens: `--fit-margin` is no `-fit`, `--webui` no
     `--no-webui`; -rtr only in the repacking config, and refused by a build that lacks it."""
-    from bench.servers import IkLlama, help_flags
+    from bench.serving.servers import IkLlama, help_flags
 
     assert {"-cram", "--cache-ram", "-cram-n-min", "-rtr", "--fit-margin"} <= help_flags(IK_HELP)
     assert "-fit" not in help_flags(IK_HELP) and "-zero" not in help_flags("non-zero")
@@ -209,7 +211,7 @@ def test_ik_llama_command_from_help() -> None:
 
 
 def test_ik_llama_found_with_its_snapshot(tmp_path: Path) -> None:
-    from bench.servers import IkLlama
+    from bench.serving.servers import IkLlama
 
     assert IkLlama.find(tmp_path) is None
     (tmp_path / "build" / "bin").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""`python -m bench.real_models` end to end on the bundled model with tiny sizes: conveyor always, each
+"""`python -m bench real-models` end to end on the bundled model with tiny sizes: conveyor always, each
 peer (llama-server, ik-llama, ik-llama-rtr) where it is built under the default peers dir, and skipped
 with its reason where it is not.
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import servers
-from bench.real_models import QUICK, SYSTEMS, Sizes, parse_sizes
-from bench.real_models_report import compare, plot, table
+from bench.peers.real_models import QUICK, SYSTEMS, Sizes, parse_sizes
+from bench.peers.real_models_report import compare, plot, table
+from bench.serving import servers
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"first_start": 0, "decode_requests": 1, "decode_tokens": 4, "prompt_tokens": 32, "prompt_repeats": 1,
@@ -34,7 +34,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path
     from conveyor.model.checkpoint import default_model_path
 
     out_dir = tmp_path_factory.mktemp("real_models")
-    cmd = [sys.executable, "-m", "bench.real_models", "--model", str(default_model_path()),
+    cmd = [sys.executable, "-m", "bench", "real-models", "--model", str(default_model_path()),
            "--systems", ",".join(SYSTEMS),
            "--threads", "1", "--conveyor-kv-cache-memory", "64MiB", "--out-dir", str(out_dir),
            "--log-dir", str(out_dir / "logs"), "--stream-bytes", str(64 << 20)]
@@ -65,7 +65,7 @@ def check_system(fig: dict, file_bytes: int, kv_gib: float | None) -> None:
 
 def test_conveyor_figures(bench_run: tuple[dict, str, Path]) -> None:
     doc, stdout, _ = bench_run
-    assert doc["command"].startswith("python -m bench.real_models --model ")
+    assert doc["command"].startswith("python -m bench real-models --model ")
     assert doc["machine"]["lscpu"] and doc["versions"]["conveyor"]
     [(name, result)] = doc["results"].items()
     assert name == "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,8 +1,8 @@
-"""bench.scheduler_host runs its rows to decode and times both halves of a step."""
+"""bench.kernels.scheduler_host runs its rows to decode and times both halves of a step."""
 
 from __future__ import annotations
 
-from bench.scheduler_host import measure
+from bench.kernels.scheduler_host import measure
 
 
 def test_decode_steps_are_timed_after_the_prefill() -> None:

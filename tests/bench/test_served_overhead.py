@@ -1,4 +1,4 @@
-"""bench.served_overhead end to end on the tiny checkpoint: offline and a real `conveyor serve`, every figure
+"""bench.serving.served_overhead end to end on the tiny checkpoint: offline and a real `conveyor serve`, every figure
 present and every requested token produced. No timed assertions."""
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_served_and_offline_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.served_overhead", "--model", str(tiny_checkpoint), "--concurrency", "1,3",
-           "--tokens", "6", "--prompt-tokens", "5", "--kv-cache-memory", "32MiB", "--out-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "bench", "served-overhead", "--model", str(tiny_checkpoint), "--concurrency", "1,3",
+           "--tokens", "6", "--prompt-tokens", "5", "--kv-cache-memory", "32MiB",
+           "--out-dir", str(tmp_path), "--log-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [result_file] = tmp_path.glob("served_overhead-*.json")
+    [result_file] = tmp_path.glob("served-overhead-*.json")
     record = json.loads(result_file.read_text())
-    assert record["command"].startswith("python -m bench.served_overhead")
+    assert record["command"].startswith("python -m bench served-overhead")
     for n in ("1", "3"):
         figures = record["results"][n]
         assert figures["offline"]["tok_s"] > 0 and figures["offline"]["cpu_us_per_token"] > 0
@@ -37,7 +38,7 @@ def test_the_tiny_model_has_the_bundled_tokenizer(tmp_path: Path) -> None:
     from conveyor.model.checkpoint import default_model_path
     from conveyor.text.tokenizer_loader import load_tokenizer
 
-    from bench.served_overhead import tiny_model
+    from bench.serving.served_overhead import tiny_model
 
     try:
         bundled = default_model_path()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import capacity_of
+from bench.serving.capacity import capacity_of
 
 REPO = Path(__file__).resolve().parents[2]
 

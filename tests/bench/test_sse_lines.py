@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from bench.client import sse_lines
+from bench.serving.client import sse_lines
 
 
 def test_a_raw_line_separator_stays_inside_its_event() -> None:

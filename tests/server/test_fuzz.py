@@ -1,6 +1,6 @@
 """Schemathesis against the app's own OpenAPI document: no 5xx, responses match their schemas, and
 data that violates the schema is refused with a 4xx. Seeded and bounded for CI; the `slow`
-variant runs ten times the examples, and `python -m bench.fuzz` runs as many as asked."""
+variant runs ten times the examples, and `python -m bench fuzz` runs as many as asked."""
 
 from __future__ import annotations
 

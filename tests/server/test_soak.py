@@ -1,6 +1,6 @@
 """Disconnect soak: hundreds of streams, half closed mid-stream. Afterwards no KV block is in use,
 nothing is in flight, and file descriptors and threads are back to where they started.
-`python -m bench.soak` runs the longer version against a `conveyor serve` process."""
+`python -m bench soak` runs the longer version against a `conveyor serve` process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""docs/architecture.md's layout names every module and C file under conveyor/, under its own package."""
+"""docs/architecture.md's layout names every module and C file under conveyor/, under its own package, and every
+bench/ module in the bench/ entry."""
 
 from __future__ import annotations
 
@@ -38,3 +39,11 @@ def test_the_layout_names_every_file_of_the_package_under_its_package() -> None:
         if not found:
             missing.append("/".join(parts))
     assert not missing, f"docs/architecture.md's layout does not name: {missing}"
+
+
+def test_the_layout_names_every_benchmark_module_and_its_group() -> None:
+    text = layout_entries()["bench/"]
+    missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "bench").rglob("*.py"))
+               if path.name != "__init__.py" and (path.name not in text
+                                                  or path.parent.name != "bench" and f"{path.parent.name}/" not in text)]
+    assert not missing, f"docs/architecture.md's bench/ entry does not name: {missing}"

@@ -1,0 +1,1 @@
+"""What an engine feature or policy costs or gives, on against off, in one run."""

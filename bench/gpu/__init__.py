@@ -1,0 +1,1 @@
+"""On a CUDA GPU: conveyor offline and served against transformers, CUDA graphs, GGUF formats."""

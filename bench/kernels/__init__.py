@@ -1,0 +1,1 @@
+"""Per-step costs on this machine: compute and bandwidth floors, quantized matmul, attention, host time."""

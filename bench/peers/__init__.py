@@ -1,0 +1,1 @@
+"""conveyor against its peers (llama.cpp, ik_llama.cpp, transformers) on the same weights."""

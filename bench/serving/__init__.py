@@ -1,0 +1,1 @@
+"""What a server gives under load: the streaming client, server launchers and the serving benchmarks."""
