@@ -13,32 +13,19 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from conveyor.model.checkpoint import default_model_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo: bench's GGUF helpers
+
+from bench.gguf_files import copy_tokenizer  # noqa: E402
+from conveyor.model.checkpoint import default_model_path  # noqa: E402
 
 SHAPE = dict(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, ctx=2048, theta=10000.0)
-
-
-def copy_tokenizer(src: gguf.GGUFReader, out: gguf.GGUFWriter) -> int:
-    """The tokenizer's and chat template's keys as the source file has them; returns its vocabulary size."""
-    for key, field in src.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value, kind = field.contents(), field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            out.add_array(key, value)
-        elif kind == gguf.GGUFValueType.STRING:
-            out.add_string(key, value)
-        elif kind == gguf.GGUFValueType.BOOL:
-            out.add_bool(key, value)
-        else:
-            out.add_uint32(key, int(value))
-    return len(src.fields["tokenizer.ggml.tokens"].contents())
 
 
 def write_f16(path: Path, like: Path) -> None:

@@ -37,6 +37,7 @@ def tiny_model(out_dir: Path) -> Path:
     """A 2-layer, hidden-64 llama GGUF (float32, seeded random weights) with the bundled tokenizer."""
     import gguf
 
+    from bench.gguf_files import copy_tokenizer
     from conveyor.model.checkpoint import default_model_path
 
     path = out_dir / TINY_NAME
@@ -55,19 +56,7 @@ def tiny_model(out_dir: Path) -> Path:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    for key, field in source.fields.items():   # the tokenizer and its chat template, as the bundled file has them
-        if not key.startswith("tokenizer."):
-            continue
-        value, value_type = field.contents(), field.types[0]
-        if value_type == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, value)
-        elif value_type == gguf.GGUFValueType.STRING:
-            writer.add_string(key, value)
-        elif value_type == gguf.GGUFValueType.BOOL:
-            writer.add_bool(key, value)
-        else:
-            writer.add_uint32(key, int(value))
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    vocab = copy_tokenizer(source, writer)   # the tokenizer and its chat template, as the bundled file has them
     kv = kv_heads * hidden // heads
     rng = np.random.default_rng(0)
 
