@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -96,7 +97,11 @@ class LLM:
                 for j, choice in choices.start_now():
                     self.engine.add_request(prompt, choice, request_id=ids[j])
                 later[ids[0]] = _Later(prompt, choices, ids)
-            results = self._run(pending, later, use_tqdm)
+            gc.freeze()   # the engine and the caller's objects outlive this run: full collections skip them
+            try:
+                results = self._run(pending, later, use_tqdm)
+            finally:
+                gc.unfreeze()   # nothing stays pinned after it (a dropped engine's cycles are collectable)
         except BaseException:
             for request_id in pending:
                 self.engine.abort_request(request_id)

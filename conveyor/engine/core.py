@@ -7,7 +7,6 @@ thread, or alone in its own process (`core_process.py`); all three drive it thro
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -117,9 +116,6 @@ class EngineCore:
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
                     self.max_model_len)
         log_batching(config, with_proposer=proposer is not None)
-        # Start-up's objects live as long as the engine: full collections need not walk them (~6 ms a step).
-        gc.collect()
-        gc.freeze()
 
     # ------------------------------------------------------------ requests
 

@@ -9,6 +9,7 @@ it); `ProcessCoreClient` (core_process.py) runs it in a process of its own, whic
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -53,6 +54,9 @@ def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand]
     `receive(timeout_s)` returns the commands that arrived within timeout_s (none is fine); it
     waits only when the core has nothing to run, so a busy core never sleeps.
     """
+    # What exists now (the model, the tokenizer, the engine) outlives the loop: the collector's full
+    # passes need not walk it (~6 ms a step at 256 rows). Thawed at the end, so nothing stays pinned.
+    gc.freeze()
     try:
         while True:
             commands = receive(0.0 if core.has_unfinished_requests() else IDLE_WAIT_S)
@@ -68,6 +72,7 @@ def run_busy_loop(core: EngineCore, receive: Callable[[float], list[CoreCommand]
                 if has_news or outputs.step is not None or outputs.deltas:   # an empty plan owes nothing
                     send(outputs)
     finally:
+        gc.unfreeze()
         core.close()
 
 
