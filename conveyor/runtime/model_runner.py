@@ -25,13 +25,18 @@ def kernel_tile_size(model: LlamaModel, block_size: int, device: torch.device, a
     return kernels.attention_tile_size(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size)
 
 
+def flex_block_size_ok(block_size: int) -> bool:
+    """Whether FlexAttention's CUDA kernel tiles this KV block size: a power of two, at least 16."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
 def check_flex(kv_cache: KVCache) -> None:
     """FlexAttention's limits, as a start-up error: a float cache; on CUDA, blocks its kernel tiles."""
     if kv_cache.dtype == torch.int8:
         raise ValueError("attention_backend 'flex' reads a float KV cache: use kv_cache_dtype auto, float16, "
                          "bfloat16 or float32 with it (int8 runs on the C attention kernel)")
     size = kv_cache.block_size
-    if kv_cache.tensor.device.type == "cuda" and (size < 16 or size & (size - 1)):
+    if kv_cache.tensor.device.type == "cuda" and not flex_block_size_ok(size):
         raise ValueError(f"attention_backend 'flex' on CUDA needs block_size a power of two >= 16, got {size}")
 
 

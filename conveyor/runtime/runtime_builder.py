@@ -24,7 +24,7 @@ from conveyor.runtime.cuda_graphs import DecodeGraphs
 from conveyor.runtime.draft_model import DraftModelProposer, check_same_vocabulary
 from conveyor.runtime.dtype import choose_dtype, choose_kv_dtype
 from conveyor.runtime.kv.cache import KVCache, gpu_kv_budget, working_reserve
-from conveyor.runtime.model_runner import ModelRunner, kernel_tile_size
+from conveyor.runtime.model_runner import ModelRunner, flex_block_size_ok, kernel_tile_size
 from conveyor.runtime.tensor_parallel import TensorParallelRunner, load_rank0
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def attention_backend(option: str, device: torch.device, block_size: int) -> str
     """What `option` runs: "auto" is FlexAttention on a GPU where the block size lets it (a 0.5B model on
     an H200: 256 rows 16.3k -> 21.5k tok/s, one row's decode 2.84 -> 2.18 ms, BENCHMARKS.md), else the
     C kernel on the CPU or SDPA over gathered blocks."""
-    if option == "auto" and device.type == "cuda" and block_size >= 16 and block_size & (block_size - 1) == 0:
+    if option == "auto" and device.type == "cuda" and flex_block_size_ok(block_size):
         return "flex"
     return option
 
