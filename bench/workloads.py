@@ -34,6 +34,14 @@ def offline_workload(num_requests: int = 64, min_prompt: int = 100, max_prompt: 
     ]
 
 
+def fixed_workload(num_requests: int, prompt_tokens: int, output_tokens: int, vocab_high: int,
+                   salt: int = 0) -> list[OfflineRequest]:
+    """num_requests prompts of exactly prompt_tokens ids in [100, vocab_high), a fixed pattern per request
+    (another `salt`, other prompts: a warm-up that leaves the timed prompts out of the prefix cache)."""
+    return [OfflineRequest([100 + (i * 7919 + j * 31 + salt * 104729) % (vocab_high - 100)
+                            for j in range(prompt_tokens)], output_tokens) for i in range(num_requests)]
+
+
 def mixed_workload(num_requests: int, chat_prompt: tuple[int, int], document_prompt: tuple[int, int],
                    document_share: float, output_tokens: int, vocab_low: int = 100, vocab_high: int = 40000,
                    seed: int = 0) -> tuple[list[OfflineRequest], list[str]]:

@@ -25,7 +25,7 @@ from bench import report
 from bench.serving.client import run_serving
 from bench.serving.metrics import percentile
 from bench.serving.servers import conveyor_command, free_port, launched
-from bench.workloads import OfflineRequest
+from bench.workloads import OfflineRequest, fixed_workload
 
 SHAPES = {   # published configs; weights random (seeded): speed and memory are real, tokens mean nothing
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -73,11 +73,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def workload(n: int, prompt_tokens: int, tokens: int, vocab_high: int, salt: int = 0) -> list[OfflineRequest]:
-    return [OfflineRequest([100 + (i * 7919 + j * 31 + salt * 104729) % (vocab_high - 100)
-                            for j in range(prompt_tokens)], tokens) for i in range(n)]
-
-
 def offline(model: str, device: str, rows: list[int], prompt_tokens: int, tokens: int, vocab_high: int,
             kv_memory: str, engine: dict) -> dict:
     import torch
@@ -100,12 +95,12 @@ def offline(model: str, device: str, rows: list[int], prompt_tokens: int, tokens
         return time.perf_counter() - t0
 
     for n in rows:
-        timed(workload(n, prompt_tokens, tokens, vocab_high, salt=1), 8)   # captures the graphs it needs
-        wall = timed(workload(n, prompt_tokens, tokens, vocab_high), tokens)
+        timed(fixed_workload(n, prompt_tokens, tokens, vocab_high, salt=1), 8)   # captures the graphs it needs
+        wall = timed(fixed_workload(n, prompt_tokens, tokens, vocab_high), tokens)
         out["by_rows"][n] = {"tok_s": n * tokens / wall, "ms_per_step": 1000 * wall / tokens}
         print(f"offline     {n:4d} at once: {n * tokens / wall:10.1f} tok/s, {1000 * wall / tokens:7.2f} ms per step",
               flush=True)
-    one = workload(1, prompt_tokens, tokens, vocab_high, salt=2)
+    one = fixed_workload(1, prompt_tokens, tokens, vocab_high, salt=2)
     short, long_ = timed(one, 16), timed(one, 16 + 4 * tokens)
     out["decode_ms_per_token_1row"] = 1000 * (long_ - short) / (4 * tokens)
     graphs = runner.graphs
@@ -128,8 +123,8 @@ def served(model: str, device: str, rows: list[int], prompt_tokens: int, tokens:
     with launched(cmd, port, log_dir / f"conveyor-serve-{port}.log", startup_timeout_s=600) as server:
         out["start_s"] = server.startup_s
         for n in rows:
-            run_serving(server.base_url, workload(n, prompt_tokens, 8, vocab_high, salt=1))   # graphs, warm
-            run = run_serving(server.base_url, workload(n, prompt_tokens, tokens, vocab_high))
+            run_serving(server.base_url, fixed_workload(n, prompt_tokens, 8, vocab_high, salt=1))   # graphs, warm
+            run = run_serving(server.base_url, fixed_workload(n, prompt_tokens, tokens, vocab_high))
             done = [r for r in run.records if r.error is None]
             produced = sum(r.output_tokens for r in done)
             tpots = [r.tpot_s for r in done if r.tpot_s is not None]
@@ -171,8 +166,8 @@ def transformers_batch(model: str, device: str, rows: list[int], prompt_tokens: 
         return wall
 
     for n in rows:
-        timed(workload(n, prompt_tokens, tokens, vocab_high, salt=1), 8)
-        wall = timed(workload(n, prompt_tokens, tokens, vocab_high), tokens)
+        timed(fixed_workload(n, prompt_tokens, tokens, vocab_high, salt=1), 8)
+        wall = timed(fixed_workload(n, prompt_tokens, tokens, vocab_high), tokens)
         out["by_rows"][n] = {"tok_s": n * tokens / wall}
         print(f"transformers {n:3d} at once: {n * tokens / wall:10.1f} tok/s", flush=True)
     del hf

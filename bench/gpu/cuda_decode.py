@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from bench import report
+from bench.workloads import fixed_workload
 
 
 def measure(model: str | None, label: str, sizes: list[int], prompt_tokens: int, tokens: int,
@@ -30,8 +31,7 @@ def measure(model: str | None, label: str, sizes: list[int], prompt_tokens: int,
     out: dict = {"weights": core.info.weights, "by_requests": {},
                  "weight_bytes": sum(t.nbytes for t in (*core.model.parameters(), *core.model.buffers()))}
     print(f"{label:6s} weights {out['weights']}: {out['weight_bytes'] / 2**20:.1f} MiB", flush=True)
-    prompts = [[100 + (i * 7919 + j * 31) % (vocab_high - 100) for j in range(prompt_tokens)]
-               for i in range(max(sizes))]
+    prompts = [r.prompt_token_ids for r in fixed_workload(max(sizes), prompt_tokens, tokens, vocab_high)]
     for n in sizes:
         llm.generate(prompts[:n], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         torch.cuda.synchronize()
