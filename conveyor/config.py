@@ -65,6 +65,7 @@ class ModelConfig:
 
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # vLLM's
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class CacheConfig:
     block_size: int = 16
     # None: 2GiB on the CPU; on a GPU, what gpu_memory_utilization of the card leaves after the weights
     kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float = 0.9   # share of the GPU's memory the engine may hold (weights + KV)
+    # share of the GPU's memory the engine may hold (weights + KV); None: DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     enable_prefix_caching: bool = True
     # "auto": float16 where the weights are kept quantized (as llama.cpp keeps its cache), else the
@@ -97,8 +99,9 @@ class CacheConfig:
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
-                or not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and (
+                isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @property
@@ -259,6 +262,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.cache.gpu_memory_utilization is None:
+            return
+        if not self.model.device.startswith("cuda"):   # refused rather than ignored
+            raise ValueError("gpu_memory_utilization sizes the KV cache on a GPU: on the CPU give kv_cache_memory")
+        if self.cache.kv_cache_memory is not None:
+            raise ValueError("kv_cache_memory and gpu_memory_utilization both size the KV cache: give one")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -11,6 +11,7 @@ from conveyor.config import (
     ATTENTION_BACKENDS,
     BATCH_PRESETS,
     DEFAULT_BATCH_PRESET,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_MEMORY,
     DTYPES,
     KV_CACHE_DTYPE_ALIASES,
@@ -85,9 +86,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default=None,
                        help=f"memory for the KV cache, e.g. 2GiB (default: {DEFAULT_KV_CACHE_MEMORY} on the CPU; "
                             "on a GPU what --gpu-memory-utilization leaves after the weights)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+    group.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="GPU: the share of the card's memory the engine holds, weights and KV cache together; "
-                            "the KV cache takes what the weights and a working reserve leave")
+                            "the KV cache takes what the weights and a working reserve leave (default: "
+                            f"{DEFAULT_GPU_MEMORY_UTILIZATION}; refused with --kv-cache-memory or on the CPU)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     group.add_argument("--kv-cache-dtype", choices=(*KV_CACHE_DTYPES, *DTYPE_ALIASES, *KV_CACHE_DTYPE_ALIASES),
                        default=CacheConfig.kv_cache_dtype,

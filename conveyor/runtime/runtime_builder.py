@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from conveyor import kernels
-from conveyor.config import EngineConfig
+from conveyor.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from conveyor.kernels.build import KernelLibrary
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.llama import LlamaModel, ModelArch
@@ -125,13 +125,14 @@ def kv_cache_bytes(config: EngineConfig, arch: ModelArch, device: torch.device) 
         return cache_cfg.kv_cache_bytes
     free, total = torch.cuda.mem_get_info(device)
     reserve = working_reserve(arch, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-    budget = gpu_kv_budget(free, total, cache_cfg.gpu_memory_utilization, reserve)
+    utilization = cache_cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    budget = gpu_kv_budget(free, total, utilization, reserve)
     if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization {cache_cfg.gpu_memory_utilization} of the GPU's {total / 2**30:.1f} "
+        raise ValueError(f"gpu_memory_utilization {utilization} of the GPU's {total / 2**30:.1f} "
                          f"GiB leaves no room for a KV cache beside the {(total - free) / 2**30:.1f} GiB in use and "
                          f"a {reserve / 2**30:.1f} GiB working reserve: raise it, or give --kv-cache-memory")
     logger.info("start-up: KV cache sized from the GPU: %.2f of %.1f GiB, %.1f GiB in use, %.1f GiB reserved "
-                "for a step", cache_cfg.gpu_memory_utilization, total / 2**30, (total - free) / 2**30, reserve / 2**30)
+                "for a step", utilization, total / 2**30, (total - free) / 2**30, reserve / 2**30)
     return budget
 
 

@@ -104,7 +104,17 @@ def test_kv_memory_on_a_gpu_is_what_the_utilization_leaves() -> None:
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             CacheConfig(gpu_memory_utilization=bad)
     assert EngineConfig.from_options(**engine_options(build_parser().parse_args(
-        ["serve", "--gpu-memory-utilization", "0.5"]))).cache.gpu_memory_utilization == 0.5
+        ["serve", "--device", "cuda", "--gpu-memory-utilization", "0.5"]))).cache.gpu_memory_utilization == 0.5
+    assert EngineConfig.from_options(device="cuda").cache.gpu_memory_utilization is None   # 0.9 where it is used
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gpu_memory_utilization=0.5), "on the CPU give kv_cache_memory"),
+    (dict(device="cuda", gpu_memory_utilization=0.5, kv_cache_memory="4GiB"), "give one"),
+])
+def test_gpu_memory_utilization_is_refused_where_it_would_be_ignored(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options(**options)
 
 
 def test_auto_attention_is_flex_on_a_gpu_where_the_block_size_lets_it() -> None:
