@@ -201,3 +201,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None      # set when finished, when the core's figures are at hand
     prompt_token_ids: list[int] | None = None  # set when finished
     prompt_logprobs: list[PromptLogprob | None] | None = None   # with the first output, when asked for
+    # Several steps' outputs merged while their consumer was busy (front/output_stream.py): each step's
+    # (characters of new_text, tokens), in order; None for one step's output.
+    steps: list[tuple[int, int]] | None = None

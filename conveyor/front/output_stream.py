@@ -18,7 +18,9 @@ Item = RequestOutput | BaseException   # an exception ends the request
 
 
 def merge_into(pending: RequestOutput, later: RequestOutput) -> None:
-    """Append `later` (the same request's next output) to `pending`, which nobody has taken yet."""
+    """Append `later` (the same request's next output) to `pending`, which nobody has taken yet; `steps`
+    keeps where each step's text and tokens lie, for readers that count per step (reasoning tokens)."""
+    pending.steps = _steps(pending) + _steps(later)
     pending.new_token_ids = pending.new_token_ids + later.new_token_ids
     pending.new_text += later.new_text
     if later.new_logprobs:
@@ -31,6 +33,10 @@ def merge_into(pending: RequestOutput, later: RequestOutput) -> None:
     pending.error = later.error
     pending.metrics = later.metrics
     pending.prompt_token_ids = later.prompt_token_ids
+
+
+def _steps(output: RequestOutput) -> list[tuple[int, int]]:
+    return output.steps if output.steps is not None else [(len(output.new_text), len(output.new_token_ids))]
 
 
 class Wakeup:

@@ -111,3 +111,18 @@ def test_closing_aborts_only_what_has_not_ended(tokenizer: Tokenizer) -> None:
     client, engine, all_ended = asyncio.run(run())
     aborts = [c.request_ids for c in client.sent if isinstance(c, AbortRequests)]
     assert aborts == [["g-1"]] and engine.num_in_flight == 0 and not all_ended
+
+
+def test_merged_outputs_keep_each_steps_text_and_tokens_for_reasoning_counts() -> None:
+    from conveyor.server.openai_api.chat_output import ChatOutputSplitter
+    from conveyor.server.parsing.reasoning import ReasoningStream
+
+    stream = OutputStream()
+    for text, tokens in (("ab", [1]), ("c</think>", [2, 3]), ("xy", [4]), ("z", [5])):
+        stream.put(RequestOutput("r", tokens, text))
+    merged = stream.take()[0]
+    assert merged.new_text == "abc</think>xyz" and merged.steps == [(2, 1), (9, 2), (2, 1), (1, 1)]
+    splitter = ChatOutputSplitter(ReasoningStream(in_reasoning=True), None, forces_tool_calls=False)
+    thinking, content = splitter.split_thinking(merged.new_text, len(merged.new_token_ids), False, merged.steps)
+    # as one step at a time would count: the step that closes the thinking is thinking, the rest answer
+    assert (thinking, splitter.num_reasoning_tokens) == ("abc", 3) and content.startswith("xy")

@@ -37,21 +37,29 @@ class ChatOutputSplitter:
     def num_calls(self) -> int:
         return self.tools.num_calls if self.tools is not None else 0
 
-    def split_thinking(self, text: str, num_tokens: int, finished: bool) -> tuple[str, str]:
-        """(thinking, answer text) of one delta; without a reasoning parser all of it is answer."""
+    def split_thinking(self, text: str, num_tokens: int, finished: bool,
+                       steps: list[tuple[int, int]] | None = None) -> tuple[str, str]:
+        """(thinking, answer text) of one delta; without a reasoning parser all of it is answer. `steps`:
+        the delta's steps as (characters, tokens) where it merges several (RequestOutput.steps), so the
+        tokens of the step that ends the thinking count as its, and those after as the answer's."""
         if self.reasoning is None:
             return "", text
-        if self.reasoning.in_reasoning:
-            self.num_reasoning_tokens += num_tokens
-        thinking, content = self.reasoning.feed(text)
+        thinking = content = ""
+        start = 0
+        for chars, tokens in steps or [(len(text), num_tokens)]:
+            if self.reasoning.in_reasoning:
+                self.num_reasoning_tokens += tokens
+            more_thinking, more_content = self.reasoning.feed(text[start:start + chars])
+            thinking, content, start = thinking + more_thinking, content + more_content, start + chars
         if finished:
             more_thinking, more_content = self.reasoning.finish()
             thinking, content = thinking + more_thinking, content + more_content
         return thinking, content
 
-    def feed(self, text: str, num_tokens: int, finished: bool) -> tuple[str, str, list[ToolCall]]:
+    def feed(self, text: str, num_tokens: int, finished: bool,
+             steps: list[tuple[int, int]] | None = None) -> tuple[str, str, list[ToolCall]]:
         """(thinking, answer text safe to emit now, tool calls completed by this delta)."""
-        thinking, content = self.split_thinking(text, num_tokens, finished)
+        thinking, content = self.split_thinking(text, num_tokens, finished, steps)
         calls: list[ToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content)

@@ -151,7 +151,8 @@ class OpenAIServing:
                 choice = choices[index]
                 text = output.new_text
                 if splitters is not None:
-                    thinking, text = splitters[index].split_thinking(text, len(output.new_token_ids), output.finished)
+                    thinking, text = splitters[index].split_thinking(text, len(output.new_token_ids), output.finished,
+                                                                     output.steps)
                     choice.thinking.append(thinking)
                 choice.text.append(text)
                 choice.num_tokens += len(output.new_token_ids)
@@ -278,7 +279,8 @@ class OpenAIServing:
             async for index, output in group.outputs():
                 num_tokens += len(output.new_token_ids)
                 splitter = run.splitters[index]
-                reasoning, text, calls = splitter.feed(output.new_text, len(output.new_token_ids), output.finished)
+                reasoning, text, calls = splitter.feed(output.new_text, len(output.new_token_ids), output.finished,
+                                                       output.steps)
                 if not (reasoning or text or calls or output.finished or (body.logprobs and output.new_logprobs)):
                     continue
                 if text and not (reasoning or calls or output.finished or body.logprobs) and (

@@ -171,7 +171,8 @@ class ResponsesServing:
         if output.with_logprobs and delta.new_logprobs:
             formatted = self.serving.logprobs.chat_logprobs(delta.new_logprobs).content or []
             logprobs = [entry.model_dump() for entry in formatted]
-        output.feed(*run.splitters[0].feed(delta.new_text, len(delta.new_token_ids), delta.finished), logprobs)
+        output.feed(*run.splitters[0].feed(delta.new_text, len(delta.new_token_ids), delta.finished, delta.steps),
+                    logprobs)
 
     async def _run(self, run: ChatRun, output: _Output, request: Request) -> tuple[str | None, int]:
         async def collect() -> tuple[str | None, int]:
