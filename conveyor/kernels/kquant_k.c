@@ -18,8 +18,10 @@
  * for every batch size: a row's result never depends on the other rows or the instruction set.
  *
  * A decode step has one row per request: with up to ROWS rows, each group of codes goes from the
- * panel to the dot products in registers, so the step is one pass over the weights at streaming
- * speed. With more rows a unit is decoded once into L1 and each pass of ROWS rows reads it there.
+ * panel to the dot products in registers and the rows' sums stay in registers from the panel's first
+ * unit to its last, so the step is one pass over the weights at streaming speed (up to DIRECT_ROWS,
+ * one pass per ROWS rows). With more rows a unit is decoded once into L1 and each pass of ROWS rows
+ * reads it there.
  */
 #include <math.h>
 #include <stdint.h>
@@ -110,6 +112,12 @@ KQV void group_codes(const int fmt, const uint8_t *blk, const int g, v16i *lo, v
     }
 }
 
+/* sum += a b, fused, in a register or in memory */
+KQV void add_sum(v16f (*y)[2], float (*acc)[NR], int r, int h, v16f a, v16f b) {
+    if (acc) vfstore(acc[r] + 16 * h, vfma(a, b, vfload(acc[r] + 16 * h)));
+    else y[r][h] = vfma(a, b, y[r][h]);
+}
+
 typedef struct {
     const int8_t *q;        /* this unit's codes */
     float du;
@@ -121,10 +129,11 @@ static inline int unit_blocks(int fmt) { return unit_k(fmt) / QK; }
 /* Formats whose scales sit per 16-k half of a block (the dots of the halves kept apart). */
 static inline int halves(int fmt) { return fmt == FMT_Q6_K || fmt == FMT_Q3_K; }
 
-/* acc[r][0..32) += unit's contribution for rows r < mr. Codes come from the panel (decoded == NULL)
- * or from decode_unit's copy. */
+/* Row r's sums (channels 0-15, 16-31) += unit's contribution for rows r < mr: in registers y[r], or
+ * where acc is given, in acc[r] (read at the end: loaded early they would take registers the unit needs).
+ * Codes come from the panel (decoded == NULL) or from decode_unit's copy. */
 KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const row_unit *x,
-                   float (*acc)[NR]) {
+                   v16f (*y)[2], float (*acc)[NR]) {
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
     for (int j = 0; j < unit_blocks(fmt); j++) {
@@ -194,16 +203,16 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             const v16f m = vf16(unit + 64 + h * 32);
             for (int r = 0; r < mr; r++) {
                 const v16f t = vfma(d, vcvt(si[r][h]), vfmul(m, vfset((float)x[r].bs32[0])));
-                vfstore(acc[r] + 16 * h, vfma(vfset(x[r].du), t, vfload(acc[r] + 16 * h)));
+                add_sum(y, acc, r, h, vfset(x[r].du), t);
             }
         } else if (fmt != FMT_Q4_K && fmt != FMT_Q5_K) {
             for (int r = 0; r < mr; r++)
-                vfstore(acc[r] + 16 * h, vfma(vfmul(d, vfset(x[r].du)), vcvt(si[r][h]), vfload(acc[r] + 16 * h)));
+                add_sum(y, acc, r, h, vfmul(d, vfset(x[r].du)), vcvt(si[r][h]));
         } else {
             const v16f dmin = vf16(unit + 64 + h * 32);
             for (int r = 0; r < mr; r++) {
                 const v16f t = vfms(d, vcvt(si[r][h]), vfmul(dmin, vcvt(sm[r][h])));
-                vfstore(acc[r] + 16 * h, vfma(vfset(x[r].du), t, vfload(acc[r] + 16 * h)));
+                add_sum(y, acc, r, h, vfset(x[r].du), t);
             }
         }
     }
@@ -230,8 +239,8 @@ typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (a
     int64_t K;
 } kacts_view;
 
-KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a, int64_t u,
-                      int64_t r0, int mr, float (*acc)[NR]) {
+KQV void rows_of_unit(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a,
+                      int64_t u, int64_t r0, v16f (*y)[2], float (*acc)[NR]) {
     row_unit x[ROWS];
     const int64_t K = a->K, uk = unit_k(fmt);
     for (int r = 0; r < mr; r++) {
@@ -239,32 +248,58 @@ KQV void rows_of_unit(const int fmt, const uint8_t *unit, const uint8_t *decoded
         x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
                           halves(fmt) ? a->o16 + row * (K / 16) + u * 16 : a->o16};
     }
-    switch (mr) {   /* a constant row count per instance keeps the accumulators in registers */
-        case 1: unit_rows(fmt, 1, unit, decoded, x, acc); break;
-#if ROWS >= 4
-        case 2: unit_rows(fmt, 2, unit, decoded, x, acc); break;
-        case 3: unit_rows(fmt, 3, unit, decoded, x, acc); break;
-        default: unit_rows(fmt, 4, unit, decoded, x, acc); break;
-#endif
+    unit_rows(fmt, mr, unit, decoded, x, y, acc);
+}
+
+/* Rows [r0, r0 + mr) of every unit read from the panel, their sums in registers from the first unit to the last. */
+KQV void rows_in_registers(const int fmt, const int mr, const uint8_t *wp, const kacts_view *a, int64_t r0,
+                           float (*acc)[NR]) {
+    v16f y[ROWS][2];
+    for (int r = 0; r < mr; r++) y[r][0] = y[r][1] = vfset(0.f);
+    for (int64_t u = 0; u < a->K / unit_k(fmt); u++) rows_of_unit(fmt, mr, wp + u * unit_bytes(fmt), NULL, a, u, r0, y, NULL);
+    for (int r = 0; r < mr; r++) {
+        vfstore(acc[r0 + r], y[r][0]);
+        vfstore(acc[r0 + r] + 16, y[r][1]);
     }
 }
 
+/* A constant row count per instance keeps the sums in registers. */
+#if ROWS >= 4
+#define BY_ROWS(mr, call) switch (mr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
+#else
+#define BY_ROWS(mr, call) { (void)(mr); call(1); }
+#endif
+
 KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
     const int64_t units = a->K / unit_k(fmt);
-    if (M <= DIRECT_ROWS) {   /* each pass of ROWS rows reads the unit from the panel (L1 after the first) */
-        for (int64_t u = 0; u < units; u++)
-            for (int64_t r = 0; r < M; r += ROWS)
-                rows_of_unit(fmt, wp + u * unit_bytes(fmt), NULL, a, u, r, (int)(M - r < ROWS ? M - r : ROWS), acc + r);
+    if (M <= DIRECT_ROWS) {   /* a pass over the panel per ROWS rows (from L1 or L2 after the first) */
+        for (int64_t r = 0; r < M; r += ROWS) {
+#define IN_REGISTERS(n) rows_in_registers(fmt, n, wp, a, r, acc)
+            BY_ROWS((int)(M - r < ROWS ? M - r : ROWS), IN_REGISTERS)
+#undef IN_REGISTERS
+        }
         return;
     }
     _Alignas(64) uint8_t decoded[8 * 8 * 128];
     for (int64_t u = 0; u < units; u++) {
-        const uint8_t *unit = wp + u * unit_bytes(fmt);
-        decode_unit(fmt, unit, decoded);
-        for (int64_t r = 0; r < M; r += ROWS)
-            rows_of_unit(fmt, unit, decoded, a, u, r, (int)(M - r < ROWS ? M - r : ROWS), acc + r);
+        decode_unit(fmt, wp + u * unit_bytes(fmt), decoded);
+        for (int64_t r = 0; r < M; r += ROWS) {
+#define DECODED(n) rows_of_unit(fmt, n, wp + u * unit_bytes(fmt), decoded, a, u, r, NULL, acc + r)
+            BY_ROWS((int)(M - r < ROWS ? M - r : ROWS), DECODED)
+#undef DECODED
+        }
     }
 }
+
+/* One instance per format: inlined into one function they left Q5_0's loop spilling its registers
+ * (half the speed on Zen 4). */
+#define PANEL(F)                                                                                         \
+    static __attribute__((noinline)) void panel_##F(const uint8_t *wp, const kacts_view *a, int64_t M, \
+                                                    float (*acc)[NR]) {                                  \
+        panel_k(FMT_##F, wp, a, M, acc);                                                                 \
+    }
+PANEL(Q5_0) PANEL(Q5_1) PANEL(IQ4_NL) PANEL(IQ4_XS) PANEL(Q3_K) PANEL(Q4_K) PANEL(Q5_K) PANEL(Q6_K)
+#undef PANEL
 
 /* Rows [0, M) (at most 64) of one panel -> y columns [0, nc) (+ bias). Activations row r at offset r:
  * the K-quants' as kq_quantize_row_k writes them, Q5_0's per 32 k (scale du, sum bs32; o16 unused). */
@@ -274,14 +309,14 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     memset(acc, 0, sizeof(float) * NR * (size_t)M);
     const kacts_view a = {qx, du, bs32, o16, K};
     switch (fmt) {
-        case FMT_Q5_0: panel_k(FMT_Q5_0, wp, &a, M, acc); break;
-        case FMT_Q5_1: panel_k(FMT_Q5_1, wp, &a, M, acc); break;
-        case FMT_IQ4_NL: panel_k(FMT_IQ4_NL, wp, &a, M, acc); break;
-        case FMT_IQ4_XS: panel_k(FMT_IQ4_XS, wp, &a, M, acc); break;
-        case FMT_Q3_K: panel_k(FMT_Q3_K, wp, &a, M, acc); break;
-        case FMT_Q4_K: panel_k(FMT_Q4_K, wp, &a, M, acc); break;
-        case FMT_Q5_K: panel_k(FMT_Q5_K, wp, &a, M, acc); break;
-        default: panel_k(FMT_Q6_K, wp, &a, M, acc); break;
+        case FMT_Q5_0: panel_Q5_0(wp, &a, M, acc); break;
+        case FMT_Q5_1: panel_Q5_1(wp, &a, M, acc); break;
+        case FMT_IQ4_NL: panel_IQ4_NL(wp, &a, M, acc); break;
+        case FMT_IQ4_XS: panel_IQ4_XS(wp, &a, M, acc); break;
+        case FMT_Q3_K: panel_Q3_K(wp, &a, M, acc); break;
+        case FMT_Q4_K: panel_Q4_K(wp, &a, M, acc); break;
+        case FMT_Q5_K: panel_Q5_K(wp, &a, M, acc); break;
+        default: panel_Q6_K(wp, &a, M, acc); break;
     }
     for (int64_t r = 0; r < M; r++)
         for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
