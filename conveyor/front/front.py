@@ -98,8 +98,14 @@ class Front:
         as it does for a request it ended itself; one elsewhere sends them to its step observers only.
         """
         rejected = self._drop_rejected(outputs)
-        texts = [text for delta in outputs.deltas if (text := self.processor.process(delta)) is not None]
-        stops = self.processor.take_stop_hits()
+        texts, stops = [], []
+        for delta in outputs.deltas:
+            text = self.processor.process(delta)
+            if text is None:
+                continue
+            texts.append(text)
+            if text.finished and not delta.finished:   # a stop string: the core still runs the request
+                stops.append((text.request_id, str(text.stop_reason)))
         if stops:
             answer = self.send(FinishRequests(stops))
             if answer is not None:
