@@ -11,7 +11,10 @@ The walk: every function of a `conveyor/` file that the request runs, in the ord
 (repeats, as the core's step loop makes them, count once), on every thread of the server. Its files,
 with consecutive runs of one file merged, are the request's hops: `hops` counts the segments, `files`
 the distinct files, and `re-entries` = hops - files, the times the walk comes back into a file it had
-already left (`files re-entered`: how many distinct files it comes back into). The same counts over
+already left (`files re-entered`: how many distinct files it comes back into). A re-entry whose file still
+has a frame on that thread's stack is a call out and back (the file's code called another file's and goes
+on with a function of its own): the file was never left. The rest, `re-entries after leaving`, are the walk
+coming back into a file none of whose code is running (a later phase, a callback). The same counts over
 packages (`conveyor/server`, `conveyor/engine`, ...; the top-level modules as one, `conveyor/*.py`)
 show the floors: a walk straight down and back up re-enters each floor once on its way back.
 `--walk` prints every segment with the functions first run in it; `--json OUT` writes the counts and
@@ -49,6 +52,7 @@ class Recorder:
     active: bool = False
     first_runs: list[tuple[str, str, str]] = field(default_factory=list)   # (file, function, thread)
     seen: set[tuple[str, str]] = field(default_factory=set)
+    on_stack: set[tuple[str, str]] = field(default_factory=set)   # first runs whose file was already running
     num_calls: int = 0
 
     def hook(self, frame: FrameType, event: str, arg: Any) -> None:  # noqa: ANN401
@@ -62,6 +66,11 @@ class Recorder:
         if key not in self.seen:
             self.seen.add(key)
             self.first_runs.append((*key, threading.current_thread().name))
+            caller = frame.f_back
+            while caller is not None and caller.f_code.co_filename != filename:
+                caller = caller.f_back
+            if caller is not None:
+                self.on_stack.add(key)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Segment:
     file: str
     functions: tuple[str, ...]
     is_reentry: bool
+    is_return: bool = False   # a re-entry while the file's code is still on the stack: it never left
 
 
 def package_of(file: str) -> str:
@@ -76,18 +86,20 @@ def package_of(file: str) -> str:
     return "/".join(parts[:2]) if len(parts) > 2 else "conveyor/*.py"
 
 
-def walk(first_runs: list[tuple[str, str, str]], by_package: bool = False) -> list[Segment]:
+def walk(first_runs: list[tuple[str, str, str]], by_package: bool = False,
+         on_stack: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset()) -> list[Segment]:
     """The first runs grouped into segments of one file (or package); a segment whose file came before is a
-    re-entry."""
+    re-entry, and a return when its first function ran with its file on the stack (`on_stack`, files only)."""
     segments: list[Segment] = []
     visited: set[str] = set()
     for path, function, _ in first_runs:
         file = package_of(path) if by_package else path
         if segments and segments[-1].file == file:
             last = segments[-1]
-            segments[-1] = Segment(file, (*last.functions, function), last.is_reentry)
+            segments[-1] = Segment(file, (*last.functions, function), last.is_reentry, last.is_return)
             continue
-        segments.append(Segment(file, (function,), file in visited))
+        is_reentry = file in visited
+        segments.append(Segment(file, (function,), is_reentry, is_reentry and (path, function) in on_stack))
         visited.add(file)
     return segments
 
@@ -158,23 +170,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
 
     recorder, text = trace(args.model, args.max_tokens, args.threads)
-    segments = walk(recorder.first_runs)
+    segments = walk(recorder.first_runs, on_stack=recorder.on_stack)
     files = sorted({s.file for s in segments})
+    left = [s for s in segments if s.is_reentry and not s.is_return]
     floors = walk(recorder.first_runs, by_package=True)
     counts = {"hops": len(segments), "files": len(files), "reentries": sum(s.is_reentry for s in segments),
               "files_reentered": len({s.file for s in segments if s.is_reentry}),
+              "reentries_after_leaving": len(left), "files_reentered_after_leaving": len({s.file for s in left}),
               "package_hops": len(floors), "packages": len({s.file for s in floors}),
               "package_reentries": sum(s.is_reentry for s in floors),
               "functions": len(recorder.first_runs), "calls": recorder.num_calls}
     if args.walk:
         for i, s in enumerate(segments, 1):
-            mark = "re-enters" if s.is_reentry else "enters"
+            mark = "returns to" if s.is_return else "re-enters" if s.is_reentry else "enters"
             print(f"{i:3d} {mark:9s} {s.file}: {', '.join(s.functions)}")
     print(f"answer: {text!r}")
     print(f"one streamed chat request ({args.max_tokens} tokens): {counts['hops']} hops through "
           f"{counts['files']} files, {counts['reentries']} re-entries into a file already left "
           f"({counts['files_reentered']} files re-entered); {counts['functions']} functions, "
           f"{counts['calls']} calls in all")
+    print(f"of the re-entries, {counts['reentries'] - counts['reentries_after_leaving']} return to a file still on "
+          f"the stack and {counts['reentries_after_leaving']} come back into one none of whose code was running "
+          f"({counts['files_reentered_after_leaving']} files: "
+          f"{', '.join(sorted({s.file.removeprefix('conveyor/') for s in left}))})")
     print(f"by package: {counts['package_hops']} hops through {counts['packages']} packages, "
           f"{counts['package_reentries']} re-entries: {' -> '.join(s.file.removeprefix('conveyor/') for s in floors)}")
     if args.json is not None:
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python", "scripts/trace_request.py", *(argv or sys.argv[1:])]),
             **counts, "files_walked": files,
             "packages_walked": [s.file for s in floors],
-            "walk": [{"file": s.file, "functions": list(s.functions), "reentry": s.is_reentry} for s in segments],
+            "walk": [{"file": s.file, "functions": list(s.functions), "reentry": s.is_reentry, "return": s.is_return}
+                     for s in segments],
         }, indent=1) + "\n")
     return 0
 

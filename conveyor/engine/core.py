@@ -1,8 +1,8 @@
 """EngineCore: the step loop over a scheduler and a runtime (runtime_builder.py); token ids in, token ids out.
 
 The core never sees text. It runs in the offline process (`LLMEngine`), on the server's engine
-thread, or alone in its own process (`core_process.py`); all three drive it through `add`,
-`abort`, `finish` and `step`.
+thread, or alone in its own process (`core_process.py`); all three drive it the same way, through a
+core client (core_client.py): commands into `handle`, one `StepOutputs` out of `step_or_fail`.
 """
 
 from __future__ import annotations
@@ -256,11 +256,14 @@ class EngineCore:
                 deltas += self._fail_request(request_id, f"engine error: {exc}")
             return self._outputs(deltas, None)
 
+    def take_news(self) -> StepOutputs:
+        """What the commands since the last message owe the front, without a step: an in-process client's answer."""
+        deltas, self._pending = self._pending, []
+        return self._outputs(deltas, None)
+
     def load(self) -> CoreLoad:
         num_waiting = self.scheduler.num_waiting + len(self._compiling) + self._num_held()
-        return CoreLoad(self.scheduler.num_running, num_waiting,
-                        self.blocks.num_used_blocks,
-                        self.blocks.usage)
+        return CoreLoad(self.scheduler.num_running, num_waiting, self.blocks.num_used_blocks, self.blocks.usage)
 
     # ------------------------------------------------------------ one step
 

@@ -1,9 +1,10 @@
-"""How the front reaches an EngineCore: the `CoreClient` interface, the busy loop, and the thread client.
+"""How the front reaches an EngineCore: the `CoreClient` interface, the busy loop, the thread and inline clients.
 
-Both clients run the same `run_busy_loop`: drain the commands, step, send one `StepOutputs` per
-step. `ThreadCoreClient` runs it on a thread of this process (tests that reach into the core use
-it); `ProcessCoreClient` (core_process.py) runs it in a process of its own, which is what
-`conveyor serve` does, so the model never competes with HTTP and text work for the GIL.
+Every client hands the core the same commands (`handle`) and gets the same `StepOutputs` per step
+(`step_or_fail`). `ThreadCoreClient` runs `run_busy_loop` on a thread of this process (tests that reach
+into the core use it); `ProcessCoreClient` (core_process.py) runs it in a process of its own, which is
+what `conveyor serve` does, so the model never competes with HTTP and text work for the GIL.
+`InlineCoreClient` is the offline face's: the core in the caller's thread, stepped when the caller asks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class CoreClient(Protocol):
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler, on_death: DeathHandler) -> None: ...
 
-    def send(self, command: CoreCommand) -> None: ...
+    def send(self, command: CoreCommand) -> StepOutputs | None:
+        """Queue a command; None: what the core owes for it comes with a later message, to `on_outputs`."""
+        ...
 
     async def close(self) -> None:
         """Stop the core once nothing is in flight; returns when it is gone."""
@@ -118,3 +121,26 @@ class ThreadCoreClient:
 
     def kill(self) -> None:
         """Nothing to kill: the core thread is a daemon and ends with `close` or with the process."""
+
+
+class InlineCoreClient:
+    """The core in the caller's thread, for the offline face: no thread, no pickling, no waiting.
+
+    A command is applied as it is sent, and `send` returns what the core owes the front for it at once
+    (a refused add; the last delta, with its figures, of a request ended from outside), which the busy
+    loop would send with its next message; `step` runs one step and returns its message.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.info = core.info
+
+    def send(self, command: CoreCommand) -> StepOutputs:
+        self.core.handle(command)
+        return self.core.take_news()
+
+    def step(self) -> StepOutputs:
+        return self.core.step_or_fail()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()

@@ -1,10 +1,10 @@
 """AsyncEngine: the server's front over one engine core; each request gets its own asyncio stream.
 
-Runs on the event loop only. Its `Front` (shared with the offline LLMEngine) admits requests and
-turns each `StepOutputs` into text deltas; here are the server's own limits (the waiting-queue
-bound, per-tenant caps), the sending through a `CoreClient`, and telling the core to finish a
-request whose stop string was found. If the core
-dies, every request in flight fails at once with a 503 and the engine refuses new ones.
+Runs on the event loop only. Its `Front` (shared with the offline LLMEngine) admits, starts, aborts
+and tracks requests through a `CoreClient` and turns each `StepOutputs` into text deltas (stop strings
+included); here are the server's own parts: the waiting-queue bound, per-tenant caps, one output stream
+per request, the stall watchdog's bookkeeping. If the core dies, every request in flight fails at once
+with a 503 and the engine refuses new ones.
 """
 
 from __future__ import annotations
@@ -16,16 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from conveyor.engine.core_client import CoreClient
-from conveyor.front.front import Front
-from conveyor.engine.messages import (
-    AbortRequests,
-    AddRequests,
-    CoreLoad,
-    FinishRequests,
-    RequestOutput,
-    StepOutputs,
-    WatchBatch,
-)
+from conveyor.front.front import Front, Rejected
+from conveyor.engine.messages import CoreLoad, RequestOutput, StepOutputs, WatchBatch
 from conveyor.front.output_processor import OutputProcessor
 from conveyor.front.output_stream import OutputStream
 from conveyor.engine.structured_output import GrammarCompiler
@@ -49,7 +41,7 @@ class AsyncEngine:
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
-        self.front = Front(tokenizer, self.info)
+        self.front = Front(tokenizer, self.info, client.send)
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
         self.observers: list[StepObserver] = []
@@ -102,7 +94,7 @@ class AsyncEngine:
         while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._queues:
-            self.client.send(AbortRequests(list(self._queues)))
+            self.front.abort(list(self._queues))
             self._fail_all(EngineDeadError("the server is shutting down"))
         if self._started and self.dead_reason is None:
             self._started = False
@@ -155,12 +147,11 @@ class AsyncEngine:
                 self._tenant_of[request.request_id] = tenant
                 self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + 1
             queues.append(queue)
-            self.front.track(request)
         if not self._owed:   # the core was idle: its silence so far was no stall
             self.last_progress_s = self.clock()
         self._owed.update(request.request_id for request in core_requests)
         self._num_in_transit += len(core_requests)
-        self.client.send(AddRequests(core_requests))
+        self._reject(self.front.start(core_requests))
         self.last_prompt_token_ids = list(prompts[-1])
         return queues
 
@@ -213,9 +204,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.forget(request_id)
         self._owed.discard(request_id)
-        self.front.drop(request_id)
         if self.dead_reason is None:
-            self.client.send(AbortRequests([request_id]))
+            self.front.abort([request_id])
+        else:
+            self.front.drop(request_id)
 
     def watch_batch(self, interval_s: float | None) -> None:
         """Have the core attach a BatchSnapshot to its messages at most every interval_s (None: stop)."""
@@ -231,22 +223,23 @@ class AsyncEngine:
             logger.warning("the engine core is stepping again; accepting requests")
             self.stall_reason = None
         self._num_in_transit -= outputs.num_added
-        for request_id, exc in outputs.rejected:
-            self.front.drop(request_id)
-            self._owed.discard(request_id)
-            self._put(request_id, exc)
-        text_outputs, stop_hits = self.front.process(outputs.deltas)
+        text_outputs, rejected = self.front.process(outputs)
+        self._reject(rejected)
         for output in text_outputs:
             if output.finished:
                 self._owed.discard(output.request_id)
             self._put(output.request_id, output)
-        if stop_hits:
-            self.client.send(FinishRequests(stop_hits))
         for observer in self.observers:
             try:
                 observer(outputs)
             except Exception:  # metrics must never stop the stream of outputs
                 logger.exception("step observer failed")
+
+    def _reject(self, rejected: Rejected) -> None:
+        """Adds the core refused: each one's stream ends with the core's error."""
+        for request_id, exc in rejected:
+            self._owed.discard(request_id)
+            self._put(request_id, exc)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
         queue = self._queues.get(request_id)
@@ -276,7 +269,7 @@ class AsyncEngine:
         logger.error("%s; failing %d requests in flight", reason, len(self._queues))
         self.stall_reason = reason
         if self._queues:
-            self.client.send(AbortRequests(list(self._queues)))
+            self.front.abort(list(self._queues))
         self._fail_all(EngineDeadError(f"{reason}; this request was stopped"))
 
     def _fail_all(self, exc: ConveyorError) -> None:

@@ -1,11 +1,11 @@
-"""LLMEngine: an EngineCore in this process, with the front's text work around it.
+"""LLMEngine: an EngineCore in this thread, behind an `InlineCoreClient`, with the front's text work around it.
 
 Synchronous and single-threaded: the offline API and `conveyor generate` call `step()` in a loop.
-Text (tokenization, admission, detokenization, stop strings) is the `Front`'s, tokens the core's;
-the server holds the same Front and splits the two halves across processes (`async_engine.py`,
-`core_process.py`). Offline, the
-core stays in this process: with no event loop to share the GIL with, a core process would only
-add its start-up (about 5 s to spawn and import torch) and a pickle per step.
+Text (tokenization, admission, detokenization, stop strings) and request tracking are the `Front`'s,
+tokens the core's; the server holds the same Front over a thread or process client (`async_engine.py`,
+`core_process.py`) and sends the same commands. Offline, the core stays in this thread: with no event
+loop to share the GIL with, a core process would only add its start-up (about 5 s to spawn and import
+torch) and a pickle per step.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from conveyor.config import EngineConfig
-from conveyor.core.request import FinishReason
 from conveyor.engine.core import EngineCore
-from conveyor.front.front import Front
+from conveyor.engine.core_client import InlineCoreClient
+from conveyor.front.front import Front, Rejected
 from conveyor.engine.messages import RequestMetrics, RequestOutput
 from conveyor.errors import InvalidRequest
 from conveyor.text.tokenizer import Tokenizer
@@ -45,9 +45,10 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.core = EngineCore(config, clock)
+        self.client = InlineCoreClient(self.core)
         self.tokenizer: Tokenizer = load_tokenizer(self.core.model_path, config.model.chat_template)
         self.model_name = config.model.served_model_name or default_model_name(self.core.model_path)
-        self.front = Front(self.tokenizer, self.core.info)
+        self.front = Front(self.tokenizer, self.core.info, self.client.send)
 
     # The core's parts, for callers that look inside (tests, the benchmark).
     @property
@@ -96,29 +97,30 @@ class LLMEngine:
         self.front.compile_grammar(params)   # in the server's order: the grammar, then the prompt
         request = self.front.make_request(request_id, self.encode_prompt(prompt), params,
                                           self.clock() if arrival_s is None else arrival_s, priority, tenant)
-        self.core.add(request)
-        self.front.track(request)   # after the core took it
+        _raise_first(self.front.start([request]))
         return request_id
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.front.encode_prompt(prompt)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort in any state; its KV blocks are free before the next step. False if unknown."""
-        self.front.drop(request_id)
-        return self.core.abort(request_id)
+        """Abort in any state; its KV blocks are free before the next step. False if unknown or finished."""
+        is_running = request_id in self.front.processor
+        self.front.abort([request_id])
+        return is_running
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.client.has_unfinished_requests()
 
     # ------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        outputs, stop_hits = self.front.process(self.core.step().deltas)
-        stopped = dict(stop_hits)
-        for output in outputs:
-            stop = stopped.get(output.request_id)
-            if stop is not None:
-                final = self.core.finish(output.request_id, FinishReason.STOP, stop)
-                output.metrics = final.metrics if final is not None else None
+        outputs, rejected = self.front.process(self.client.step())
+        _raise_first(rejected)   # never: an inline core refuses an add when it is sent
         return outputs
+
+
+def _raise_first(rejected: Rejected) -> None:
+    """An add the core refused, raised to the caller as the core raised it."""
+    for _, exc in rejected:
+        raise exc

@@ -1,8 +1,9 @@
 """OutputProcessor: the core's token deltas -> text deltas, in the front.
 
 Owns each request's incremental detokenizer, its text so far and the stop-string search. A stop
-string found here ends the request for its client at once; the caller tells the core to finish it
-(`stop_hits`), and the core's later deltas for it are dropped.
+string found here ends the request for its client at once (an output finished with "stop" for a delta
+the core did not finish: the Front tells the core to finish it), and the core's later deltas for it are
+dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
-        self.stop_hits: list[tuple[str, str]] = []   # (request id, stop string) for the core to finish
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -63,8 +63,6 @@ class OutputProcessor:
                 index, stop = hit
                 stream.text = stream.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                 token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1]
-                if finish_reason is None:
-                    self.stop_hits.append((delta.request_id, stop))
                 finish_reason, stop_reason = "stop", stop
                 break
         finished = finish_reason is not None
@@ -83,10 +81,6 @@ class OutputProcessor:
             output.metrics = delta.metrics
             output.prompt_token_ids = stream.prompt_token_ids
         return output
-
-    def take_stop_hits(self) -> list[tuple[str, str]]:
-        hits, self.stop_hits = self.stop_hits, []
-        return hits
 
 
 def _find_stop(text: str, stops: list[str], searched_from: int) -> tuple[int, str] | None:

@@ -10,7 +10,7 @@ from helpers import RecordingClient, tiny_bpe_tokenizer
 
 from conveyor.config import SchedulerConfig
 from conveyor.front.admission import check_request
-from conveyor.front.front import Choices
+from conveyor.front.front import Choices, Front
 from conveyor.front.async_engine import AsyncEngine
 from conveyor.engine.core_client import IDLE_WAIT_S, run_busy_loop
 from conveyor.engine.messages import (
@@ -20,6 +20,7 @@ from conveyor.engine.messages import (
     CoreInfo,
     CoreLoad,
     CoreRequest,
+    FinishRequests,
     RequestMetrics,
     Shutdown,
     StepOutputs,
@@ -108,27 +109,34 @@ def test_text_deltas_add_up_to_the_decoded_tokens(tokenizer: Tokenizer) -> None:
     assert len(processor) == 0 and processor.process(TokenDelta("r", [ids[0]])) is None
 
 
+def step_of(*deltas: TokenDelta) -> StepOutputs:
+    return StepOutputs(list(deltas), CoreLoad(0, 0, 0, 0.0))
+
+
 def test_stop_string_ends_the_request_and_asks_the_core_to_finish_it(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("the quick brown fox jumps")
-    processor = OutputProcessor(tokenizer)
-    processor.add("r", [1], SamplingParams(stop=["brown"]))
+    client = RecordingClient(INFO)
+    front = Front(tokenizer, INFO, client.send)
+    assert front.start([CoreRequest("r", [1], SamplingParams(stop=["brown"]), 16, frozenset(), 0.0)]) == []
     outputs = []
     for token_id in ids:
-        output = processor.process(TokenDelta("r", [token_id]))
-        if output is None:
-            break
-        outputs.append(output)
+        texts, rejected = front.process(step_of(TokenDelta("r", [token_id])))
+        outputs += texts
+        assert rejected == []
     assert "".join(o.new_text for o in outputs) == "the quick "
     assert outputs[-1].finished and outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == "brown"
-    assert processor.take_stop_hits() == [("r", "brown")] and processor.take_stop_hits() == []
+    assert client.sent[1:] == [FinishRequests([("r", "brown")])]   # once: later deltas are not its
+    assert len(front.processor) == 0
 
 
 def test_a_stop_string_in_the_last_delta_needs_no_finish_command(tokenizer: Tokenizer) -> None:
-    processor = OutputProcessor(tokenizer)
-    processor.add("r", [1], SamplingParams(stop=["fox"], include_stop_str_in_output=True))
-    output = processor.process(TokenDelta("r", tokenizer.encode("brown fox jumps"), finish_reason="length"))
+    client = RecordingClient(INFO)
+    front = Front(tokenizer, INFO, client.send)
+    front.start([CoreRequest("r", [1], SamplingParams(stop=["fox"], include_stop_str_in_output=True), 16,
+                             frozenset(), 0.0)])
+    [output], _ = front.process(step_of(TokenDelta("r", tokenizer.encode("brown fox jumps"), finish_reason="length")))
     assert output.new_text == "brown fox" and output.finish_reason == "stop"
-    assert processor.take_stop_hits() == []
+    assert [type(command) for command in client.sent] == [AddRequests]
 
 
 def test_error_delta_carries_its_message(tokenizer: Tokenizer) -> None:
