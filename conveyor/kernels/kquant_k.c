@@ -40,11 +40,12 @@
 #define DIRECT_ROWS (2 * ROWS)
 #endif
 /* How far ahead a block's lines are asked for, into L2 (locality 1): without it the hardware
- * prefetcher leaves a one-row step at half the stream rate. Measured on Zen 4, one and two threads,
- * weights streamed from memory, distances interleaved in one run: Q4_K streams 7-15 % faster 1 KiB
- * ahead than 8 KiB ahead, Q6_K needs 8 KiB (half speed at 1 KiB; 2-4 KiB also slower). */
+ * prefetcher leaves a one-row step at half the stream rate. Measured on Zen 4, two threads, weights
+ * streamed from memory, distances interleaved in one run, one row: Q4_K 21 GB/s 1 KiB ahead, 29 at
+ * 4 KiB, 31 at 8 KiB, 30 at 12-16 KiB (7B shapes; 18 -> 27 at 896 x 4864); Q6_K and Q5_0 level from
+ * 8 KiB on. */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES(fmt) ((fmt) == FMT_Q4_K ? 1024 : 8192)
+#define PREFETCH_BYTES(fmt) 8192
 #endif
 
 /* ------------------------------------------------------------------ activations */
