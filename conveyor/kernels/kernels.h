@@ -238,7 +238,7 @@ int quant_activations(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t 
 /* quant.c: rows m0..m1 of one Q8_0 / Q4_0 / Q4_1 panel over activations quantized by kquant.c */
 void quant_panel_rows(int fmt, const uint8_t *wp, int64_t KB, const int8_t *qx, int64_t K, const float *dx,
                       const int32_t *sx, const float *sxd, const float *bias, float *y, int64_t ldy, int64_t nc,
-                      int64_t m0, int64_t m1);
+                      int64_t m0, int64_t m1, int stream);
 /* kquant_k.c: Q8_K-style activations (per 256-k unit: scale; sums per 32; 32 x sums per 16) and a panel */
 void kq_quantize_row_k(const float *x, int64_t K, int8_t *q, float *du, int32_t *bs32, int32_t *o16);
 int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, float *du);

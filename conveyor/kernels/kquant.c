@@ -14,6 +14,9 @@
 #include "kernels.h"
 
 #define MC 64   /* rows per work item: kquant_k.c's kq_panel_k takes at most 64 */
+/* A segment this large streams from memory on every call (no last-level cache seen holds it): quant.c
+ * prefetches its Q8_0 blocks ahead, which costs the layers a cache keeps between steps. */
+#define STREAMED_LAYER_BYTES ((int64_t)64 << 20)
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -131,7 +134,8 @@ static void linear_item(void *arg, int64_t item) {
     const uint8_t *wp = seg->w + p * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt);
     if (legacy_format(fmt)) {
         quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
-                         j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0);
+                         j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0,
+                         seg->n * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt) >= STREAMED_LAYER_BYTES);
     } else if (acts256(fmt)) {
         kq_panel_k(fmt, wp, K, j->k.qx + m0 * K, j->k.du + m0 * (K / 256), j->k.bs32 + m0 * (K / 32),
                    j->k.o16 + m0 * (K / 16), bias, y + m0 * j->ldy, j->ldy, nc, m1 - m0);

@@ -50,23 +50,40 @@
 
 /* ------------------------------------------------------------------ activations */
 
-/* One row, unit by unit: codes round-to-nearest-even(x * 127 / amax), the same bits however vectorised. */
+/* One row, unit by unit: codes round-to-nearest-even(x * 127 / amax), the same bits however vectorised
+ * (the AVX-512 path's conversion rounds to nearest even as nearbyintf does in the default mode). */
 void kq_quantize_row_k(const float *x, int64_t K, int8_t *q, float *du, int32_t *bs32, int32_t *o16) {
     for (int64_t u = 0; u < K / 256; u++) {
         const float *xu = x + u * 256;
-        float amax = 0.f;
-        for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xu[i]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t *qu = q + u * 256;
-        for (int i = 0; i < 256; i++) qu[i] = (int8_t)(int32_t)nearbyintf(xu[i] * inv);
-        du[u] = amax / 127.f;
+        int32_t sums[16];
+#if KN_AVX512
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xu + i)), m);
+        const float amax = _mm512_reduce_max_ps(m);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         for (int s = 0; s < 16; s++) {
-            int32_t sum = 0;
-            for (int i = 0; i < 16; i++) sum += qu[s * 16 + i];
-            o16[u * 16 + s] = 32 * sum;
-            if (s & 1) bs32[u * 8 + s / 2] += sum;
-            else bs32[u * 8 + s / 2] = sum;
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xu + 16 * s), inv));
+            const __m128i b = _mm512_cvtepi32_epi8(c);   /* the sums of the bytes kept, as the scalar path */
+            _mm_storeu_si128((__m128i *)(qu + 16 * s), b);
+            sums[s] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(b));
         }
+#else
+        float amax = 0.f;
+        for (int i = 0; i < 256; i++) {
+            const float a = fabsf(xu[i]);
+            if (a > amax) amax = a;   /* fmaxf's result (a NaN is passed over) without a libm call */
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int i = 0; i < 256; i++) qu[i] = (int8_t)(int32_t)nearbyintf(xu[i] * inv);
+        for (int s = 0; s < 16; s++) {
+            sums[s] = 0;
+            for (int i = 0; i < 16; i++) sums[s] += qu[s * 16 + i];
+        }
+#endif
+        du[u] = amax / 127.f;
+        for (int s = 0; s < 16; s++) o16[u * 16 + s] = 32 * sums[s];
+        for (int s = 0; s < 8; s++) bs32[u * 8 + s] = sums[2 * s] + sums[2 * s + 1];
     }
 }
 
