@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "replay": ("bench.features.replay", "the serving run's Poisson arrivals straight into an in-process engine core"),
     "limits": ("bench.kernels.limits", "matmul rate, bandwidth and decode-step floors of this machine"),
     "quant-gemm": ("bench.kernels.quant_gemm", "weight bytes per second of the quantized matmul kernels"),
+    "kernel-ab": ("bench.kernels.kernel_ab", "the tree's quantized matmul against a git revision's, alternated in one process"),
     "scheduler-host": ("bench.kernels.scheduler_host", "the scheduler's host time per decode step, without a model"),
     "flex-attention": ("bench.kernels.flex_attention", "decode attention per step: SDPA against FlexAttention"),
     "accuracy": ("bench.accuracy.perplexity", "perplexity and KL divergence against the float model, with llama.cpp's"),
