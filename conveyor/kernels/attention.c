@@ -129,6 +129,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     float q[MAX_QG + QU][MAX_D], kbuf[MAX_D][KC], vbuf[KC][MAX_D];
     vf acc[MAX_QG][MAX_D / VW], p[MAX_QG + QU][NV];
     float m[MAX_QG], l[MAX_QG];
+    /* int8 caches: each query head's int16 codes and scale (attention_i8.c), and a chunk's keys paired */
+    int16_t qc[MAX_QG + ATTN_I8_QPAD][MAX_D];
+    float qd[MAX_QG];
+    uint8_t kt[MAX_D * 2 * KC];
     int64_t start[MAX_QG], ctx[MAX_QG];
     int64_t lo_all = INT64_MAX, hi_all = 0;
     for (int64_t i = 0; i < nq; i++) {
@@ -146,14 +150,16 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         }
     }
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
+    if (kv_fmt == FMT_I8) {
+        for (int64_t a = 0; a < A; a++) attn_i8_query(q[a], D, qc[a], &qd[a]);
+        for (int64_t a = A; a < (A + ATTN_I8_QPAD - 1) / ATTN_I8_QPAD * ATTN_I8_QPAD; a++) memset(qc[a], 0, sizeof qc[a]);
+    }
     const int64_t chunk = bs < KC ? bs : KC;
     /* float16 keys and values are widened as they load when one pass over the tile's query heads
      * reads them (decode rows); a prompt chunk's tile reads them once per QU heads, so it widens
      * them once into the buffers instead. */
     const int in_place_f16 = HAVE_LOAD_VH && kv_fmt == FMT_F16 && A_pad <= QU;
     const int in_place_i8 = kv_fmt == FMT_I8 && A_pad <= QU;
-    /* int8 keys convert in one instruction more than they load: a decode row's few passes read them in place. */
-    const int keys_in_place_i8 = kv_fmt == FMT_I8 && nq == 1;
     /* Elements from one block to the next; an int8 block's scales follow its codes. */
     const int64_t bstride = kv_fmt == FMT_I8 ? i8_block_bytes(bs, KV, D) : KV * D * bs;
     vi lane[NV];
@@ -179,7 +185,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         }
         const float *keys = &kbuf[0][0], *vals = &vbuf[0][0];
         const uint16_t *hkeys = 0, *hvals = 0;   /* float16 read in place */
-        const int8_t *qkeys = 0, *qvals = 0;     /* int8 read in place */
+        const int8_t *qvals = 0;                 /* int8 read in place */
         int64_t kstride = KC, vstride = MAX_D;
         /* int8: each key's scale times the softmax scale, each value's scale; 0 past n_keys. */
         float kscale[KC], vscale[KC];
@@ -197,22 +203,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         } else if (in_place_f16 && n_keys == KC) {
             hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
-        } else if (keys_in_place_i8 && n_keys == KC) {
-            qkeys = (const int8_t *)j->k_cache + kbase;
-            kstride = bs;
-        } else if (kv_fmt == FMT_I8) {   /* widened once for the tile's passes over its query heads */
-            const int8_t *codes = (const int8_t *)j->k_cache + kbase;
-            for (int64_t d = 0; d < D; d++) {
-                if (n_keys == KC) {
-                    for (int u = 0; u < NV; u++) {
-                        const vf x = load_vq(codes + d * bs + u * VW);
-                        memcpy(kbuf[d] + u * VW, &x, sizeof x);
-                    }
-                    continue;
-                }
-                memset(kbuf[d], 0, sizeof kbuf[d]);
-                for (int64_t t = 0; t < n_keys; t++) kbuf[d][t] = codes[d * bs + t];
-            }
+        } else if (kv_fmt == FMT_I8) {   /* regrouped once for the tile's query heads' integer dots */
+            attn_i8_keys((const int8_t *)j->k_cache + kbase, bs, n_keys, D, kt);
         } else {
             for (int64_t d = 0; d < D; d++) {
                 memset(kbuf[d], 0, sizeof kbuf[d]);
@@ -238,7 +230,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
             for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }
         /* Scores: each lane sums over d in order, one multiply-add chain per (query, key). */
-        for (int64_t a0 = 0; a0 < A_pad; a0 += QU) {
+        if (kv_fmt == FMT_I8) attn_i8_scores(kt, D, &qc[0][0], MAX_D, qd, A, kscale, (float *)p);
+        for (int64_t a0 = 0; kv_fmt != FMT_I8 && a0 < A_pad; a0 += QU) {
             vf s[QU][NV];
 #pragma GCC unroll 4
             for (int r = 0; r < QU; r++)
@@ -248,8 +241,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                 vf kd[NV];
 #pragma GCC unroll 4
                 for (int u = 0; u < NV; u++)
-                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW)
-                            : qkeys ? load_vq(qkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
+                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
 #pragma GCC unroll 4
                 for (int r = 0; r < QU; r++) {
                     const vf x = splat(q[a0 + r][d]);
@@ -257,16 +249,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                     for (int u = 0; u < NV; u++) s[r][u] += x * kd[u];
                 }
             }
-            if (kv_fmt == FMT_I8)
 #pragma GCC unroll 4
-                for (int r = 0; r < QU; r++)
+            for (int r = 0; r < QU; r++)
 #pragma GCC unroll 4
-                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * load_v(kscale + u * VW);
-            else
-#pragma GCC unroll 4
-                for (int r = 0; r < QU; r++)
-#pragma GCC unroll 4
-                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
+                for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
         }
         /* Online softmax over the keys of this chunk each query sees, then its weighted values. */
         for (int64_t i = 0; i < nq; i++) {
