@@ -85,6 +85,8 @@ def decode_rate(base_url: str, num_streams: int, context_tokens: int, output_tok
     prompts = [[rng.randrange(100, 30000) for _ in range(context_tokens)] for _ in range(num_streams)]
     with concurrent.futures.ThreadPoolExecutor(num_streams) as pool:
         runs = list(pool.map(lambda p: stream_times(base_url, p, output_tokens), prompts))
+    if not all(runs):   # a stream whose few tokens decoded to no text yet (bytes of one character): no window
+        return {"tok_s": None, "tokens_in_window": 0, "window_s": 0.0, "chunks_per_stream": [len(r) for r in runs]}
     start, end = max(r[0] for r in runs), min(r[-1] for r in runs)
     tokens = sum(sum(1 for t in r if start < t <= end) for r in runs)
     return {"tok_s": tokens / (end - start) if end > start else None, "tokens_in_window": tokens,
