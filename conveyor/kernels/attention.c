@@ -12,8 +12,9 @@
  * k_cache:    [num_blocks, KV, D, bs] (keys transposed in each block: 16 keys' d-th values load as one
  *             vector), v_cache [num_blocks, bs, KV, D], both float32, bfloat16 or float16 (kv_fmt), or
  *             int8 codes with a float16 scale per (token, kv head) after each block's codes ([KV, bs] for
- *             keys, [bs, KV] for values; blocks i8_block_bytes apart): a key's scale multiplies its score,
- *             a value's its softmax weight, so the codes are read as they lie
+ *             keys, [bs, KV] for values; blocks i8_block_bytes apart): the scores are integer dots of the
+ *             key codes with int16 query codes (attention_i8.c) times the scales; a value's scale multiplies
+ *             its softmax weight, so the value codes are read as they lie
  * tables:     [rows, max_blocks] int64 block ids;  rows[i]: query i's row in tables
  * ctx_lens:   [n] int64 keys visible to query i (its position + 1)
  * tile_start: [tiles + 1] int64: tile j holds queries tile_start[j] .. tile_start[j + 1] - 1
