@@ -130,9 +130,9 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     float q[MAX_QG + QU][MAX_D], kbuf[MAX_D][KC], vbuf[KC][MAX_D];
     vf acc[MAX_QG][MAX_D / VW], p[MAX_QG + QU][NV];
     float m[MAX_QG], l[MAX_QG];
-    /* int8 caches: each query head's int16 codes and scale (attention_i8.c), and a chunk's keys paired */
+    /* int8 caches: each query head's int16 codes and scales (attention_i8.c), and a chunk's keys paired */
     int16_t qc[MAX_QG + ATTN_I8_QPAD][MAX_D];
-    float qd[MAX_QG];
+    float qd[MAX_QG][MAX_D / 16];
     uint8_t kt[MAX_D * 2 * KC];
     int64_t start[MAX_QG], ctx[MAX_QG];
     int64_t lo_all = INT64_MAX, hi_all = 0;
@@ -152,7 +152,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     }
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
     if (kv_fmt == FMT_I8) {
-        for (int64_t a = 0; a < A; a++) attn_i8_query(q[a], D, qc[a], &qd[a]);
+        for (int64_t a = 0; a < A; a++) attn_i8_query(q[a], D, qc[a], qd[a]);
         for (int64_t a = A; a < (A + ATTN_I8_QPAD - 1) / ATTN_I8_QPAD * ATTN_I8_QPAD; a++) memset(qc[a], 0, sizeof qc[a]);
     }
     const int64_t chunk = bs < KC ? bs : KC;
@@ -231,7 +231,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
             for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }
         /* Scores: each lane sums over d in order, one multiply-add chain per (query, key). */
-        if (kv_fmt == FMT_I8) attn_i8_scores(kt, D, &qc[0][0], MAX_D, qd, A, kscale, (float *)p);
+        if (kv_fmt == FMT_I8) attn_i8_scores(kt, D, &qc[0][0], MAX_D, &qd[0][0], MAX_D / 16, A, kscale, (float *)p);
         for (int64_t a0 = 0; kv_fmt != FMT_I8 && a0 < A_pad; a0 += QU) {
             vf s[QU][NV];
 #pragma GCC unroll 4

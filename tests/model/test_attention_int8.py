@@ -65,27 +65,29 @@ def run(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], rows: list[R
 
 def quantized_reference(q: torch.Tensor, cache: Int8Cache, rows: list[RowSpec], block_size: int,
                         window: int | None) -> torch.Tensor:
-    """Attention as the kernel computes it: each query head as int16 codes (absmax / 32767), its integer dots
-    with the key codes exact, times (query scale x (key scale x softmax scale)) in float32; then the softmax
-    and the dequantized values in float64."""
+    """Attention as the kernel computes it: each query head as int16 codes in blocks of 16 (absmax / 32767),
+    its integer dots with the key codes exact, each block's times (its query scale x (key scale x softmax
+    scale)) in float32, summed block after block; then the softmax and the dequantized values in float64."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = cache.k_codes.shape[2]
+    num_kv_heads, nb = cache.k_codes.shape[2], head_dim // 16
     scale = torch.tensor(head_dim ** -0.5, dtype=torch.float32)
-    qf = q.float()
-    qd = qf.abs().amax(-1) / 32767                                                    # (T, H)
-    qc = torch.where(qd[..., None] > 0, qf / qd[..., None], 0.0).round().double()     # (T, H, D)
+    qf = q.float().view(num_tokens, num_heads, nb, 16)
+    qd = qf.abs().amax(-1) / 32767                                                    # (T, H, nb)
+    qc = torch.where(qd[..., None] > 0, qf / qd[..., None], 0.0).round().double()     # (T, H, nb, 16)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
     for r in rows:
         table = torch.tensor(r.block_table)
-        kc = cache.k_codes[table].reshape(-1, num_kv_heads, head_dim)[:r.context_len].double()
+        kc = cache.k_codes[table].reshape(-1, num_kv_heads, nb, 16)[:r.context_len].double()
         ks = cache.k_scales[table].reshape(-1, num_kv_heads)[:r.context_len].float() * scale      # (C, KV)
         v = cache.floats[1][table].reshape(-1, num_kv_heads, head_dim)[:r.context_len].double()
         heads = torch.arange(num_heads) // (num_heads // num_kv_heads)
         for j in range(r.num_query):
             token, end = r.token_start + j, r.context_len - r.num_query + j + 1
             lo = max(0, end - window) if window else 0
-            exact = torch.einsum("hd,thd->ht", qc[token], kc[lo:end, heads])               # (H, keys)
-            scores = exact.float() * (qd[token][:, None] * ks[lo:end, heads].t())
+            exact = torch.einsum("hbd,thbd->bht", qc[token], kc[lo:end, heads]).float()      # (nb, H, keys)
+            for b in range(nb):   # a fused multiply-add per block after the first (float64 holds it exactly)
+                f = qd[token][:, b, None] * ks[lo:end, heads].t()
+                scores = exact[b] * f if b == 0 else (exact[b].double() * f.double() + scores.double()).float()
             weights = torch.softmax(scores.double(), dim=-1)
             out[token] = torch.einsum("ht,thd->hd", weights, v[lo:end, heads])
     return out
