@@ -61,6 +61,7 @@ typedef int8_t vb __attribute__((vector_size(VW)));
 #define KC 16            /* keys per chunk */
 #define NV (KC / VW)     /* vectors per chunk of keys */
 #define QU 4             /* queries whose score sums run interleaved (independent chains) */
+_Static_assert(KC == 16, "attention_i8.c scores 16 keys at a time");
 
 static inline vf load_v(const float *p) {
     vf v;
@@ -153,7 +154,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
     if (kv_fmt == FMT_I8) {
         for (int64_t a = 0; a < A; a++) attn_i8_query(q[a], D, qc[a], qd[a]);
-        for (int64_t a = A; a < (A + ATTN_I8_QPAD - 1) / ATTN_I8_QPAD * ATTN_I8_QPAD; a++) memset(qc[a], 0, sizeof qc[a]);
+        const int64_t padded = (A + ATTN_I8_QPAD - 1) / ATTN_I8_QPAD * ATTN_I8_QPAD;
+        for (int64_t a = A; a < padded; a++) memset(qc[a], 0, sizeof qc[a]);
     }
     const int64_t chunk = bs < KC ? bs : KC;
     /* float16 keys and values are widened as they load when one pass over the tile's query heads

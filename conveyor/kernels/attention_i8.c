@@ -32,7 +32,8 @@ void attn_i8_query(const float *x, int64_t D, int16_t *codes, float *d) {
         float amax = 0.f;
         for (int64_t i = 16 * b; i < 16 * b + 16; i++) amax = fmaxf(amax, fabsf(x[i]));
         const float s = amax / 32767.f;
-        for (int64_t i = 16 * b; i < 16 * b + 16; i++) codes[i] = (int16_t)(s > 0.f ? (int32_t)nearbyintf(x[i] / s) : 0);
+        for (int64_t i = 16 * b; i < 16 * b + 16; i++)
+            codes[i] = (int16_t)(s > 0.f ? (int32_t)nearbyintf(x[i] / s) : 0);
         d[b] = s;
     }
 }
