@@ -85,6 +85,8 @@ def decode_rate(base_url: str, num_streams: int, context_tokens: int, output_tok
     prompts = [[rng.randrange(100, 30000) for _ in range(context_tokens)] for _ in range(num_streams)]
     with concurrent.futures.ThreadPoolExecutor(num_streams) as pool:
         runs = list(pool.map(lambda p: stream_times(base_url, p, output_tokens), prompts))
+    if not all(runs):   # a stream whose few tokens decoded to no text yet (bytes of one character): no window
+        return {"tok_s": None, "tokens_in_window": 0, "window_s": 0.0, "chunks_per_stream": [len(r) for r in runs]}
     start, end = max(r[0] for r in runs), min(r[-1] for r in runs)
     tokens = sum(sum(1 for t in r if start < t <= end) for r in runs)
     return {"tok_s": tokens / (end - start) if end > start else None, "tokens_in_window": tokens,
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                         decode_rate(urls[kv], args.streams, args.context_tokens, args.output_tokens))
         for kv in kv_dtypes:
             result = results[f"conveyor {kv}"]
-            result["decode_tok_s"] = statistics.median(r["tok_s"] for r in result["rounds"])
+            # a round in which a stream sent no text in the window (special tokens only) has no figure
+            result["decode_tok_s"] = statistics.median(r["tok_s"] for r in result["rounds"] if r["tok_s"])
             print(f"conveyor {kv}: {args.streams} streams at ~{args.context_tokens} tokens decode "
                   f"{result['decode_tok_s']:.1f} tok/s (median of {args.rounds}); {result['tokens_per_gib']:,.0f} "
                   f"tokens per GiB", flush=True)
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, fig in figures.items():
         print(f"{name}: greedy first {args.agree_tokens} tokens identical on {fig['identical']}/{fig['of']} prompts")
     f16, i8 = results["conveyor float16"], results["conveyor int8"]
-    speedup = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(i8["rounds"], f16["rounds"]))
+    speedup = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(i8["rounds"], f16["rounds"])
+                                if a["tok_s"] and b["tok_s"])
     # ggml's f16 cache holds what conveyor's float16 one does (2 bytes a value); q8_0 keeps blocks of 32
     # values in 34 bytes (a float16 scale and 32 int8).
     llama_per_gib = {"f16": f16["tokens_per_gib"], "q8_0": f16["tokens_per_gib"] * 2 / (34 / 32)}

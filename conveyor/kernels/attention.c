@@ -12,8 +12,9 @@
  * k_cache:    [num_blocks, KV, D, bs] (keys transposed in each block: 16 keys' d-th values load as one
  *             vector), v_cache [num_blocks, bs, KV, D], both float32, bfloat16 or float16 (kv_fmt), or
  *             int8 codes with a float16 scale per (token, kv head) after each block's codes ([KV, bs] for
- *             keys, [bs, KV] for values; blocks i8_block_bytes apart): a key's scale multiplies its score,
- *             a value's its softmax weight, so the codes are read as they lie
+ *             keys, [bs, KV] for values; blocks i8_block_bytes apart): the scores are integer dots of the
+ *             key codes with int16 query codes (attention_i8.c) times the scales; a value's scale multiplies
+ *             its softmax weight, so the value codes are read as they lie
  * tables:     [rows, max_blocks] int64 block ids;  rows[i]: query i's row in tables
  * ctx_lens:   [n] int64 keys visible to query i (its position + 1)
  * tile_start: [tiles + 1] int64: tile j holds queries tile_start[j] .. tile_start[j + 1] - 1
@@ -60,6 +61,7 @@ typedef int8_t vb __attribute__((vector_size(VW)));
 #define KC 16            /* keys per chunk */
 #define NV (KC / VW)     /* vectors per chunk of keys */
 #define QU 4             /* queries whose score sums run interleaved (independent chains) */
+_Static_assert(KC == 16, "attention_i8.c scores 16 keys at a time");
 
 static inline vf load_v(const float *p) {
     vf v;
@@ -129,6 +131,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
     float q[MAX_QG + QU][MAX_D], kbuf[MAX_D][KC], vbuf[KC][MAX_D];
     vf acc[MAX_QG][MAX_D / VW], p[MAX_QG + QU][NV];
     float m[MAX_QG], l[MAX_QG];
+    /* int8 caches: each query head's int16 codes and scales (attention_i8.c), and a chunk's keys paired */
+    int16_t qc[MAX_QG + ATTN_I8_QPAD][MAX_D];
+    float qd[MAX_QG][MAX_D / 16];
+    uint8_t kt[MAX_D * 2 * KC];
     int64_t start[MAX_QG], ctx[MAX_QG];
     int64_t lo_all = INT64_MAX, hi_all = 0;
     for (int64_t i = 0; i < nq; i++) {
@@ -146,14 +152,17 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         }
     }
     for (int64_t a = A; a < A_pad; a++) memset(q[a], 0, sizeof(float) * D);
+    if (kv_fmt == FMT_I8) {
+        for (int64_t a = 0; a < A; a++) attn_i8_query(q[a], D, qc[a], qd[a]);
+        const int64_t padded = (A + ATTN_I8_QPAD - 1) / ATTN_I8_QPAD * ATTN_I8_QPAD;
+        for (int64_t a = A; a < padded; a++) memset(qc[a], 0, sizeof qc[a]);
+    }
     const int64_t chunk = bs < KC ? bs : KC;
     /* float16 keys and values are widened as they load when one pass over the tile's query heads
      * reads them (decode rows); a prompt chunk's tile reads them once per QU heads, so it widens
      * them once into the buffers instead. */
     const int in_place_f16 = HAVE_LOAD_VH && kv_fmt == FMT_F16 && A_pad <= QU;
     const int in_place_i8 = kv_fmt == FMT_I8 && A_pad <= QU;
-    /* int8 keys convert in one instruction more than they load: a decode row's few passes read them in place. */
-    const int keys_in_place_i8 = kv_fmt == FMT_I8 && nq == 1;
     /* Elements from one block to the next; an int8 block's scales follow its codes. */
     const int64_t bstride = kv_fmt == FMT_I8 ? i8_block_bytes(bs, KV, D) : KV * D * bs;
     vi lane[NV];
@@ -179,7 +188,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         }
         const float *keys = &kbuf[0][0], *vals = &vbuf[0][0];
         const uint16_t *hkeys = 0, *hvals = 0;   /* float16 read in place */
-        const int8_t *qkeys = 0, *qvals = 0;     /* int8 read in place */
+        const int8_t *qvals = 0;                 /* int8 read in place */
         int64_t kstride = KC, vstride = MAX_D;
         /* int8: each key's scale times the softmax scale, each value's scale; 0 past n_keys. */
         float kscale[KC], vscale[KC];
@@ -197,22 +206,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
         } else if (in_place_f16 && n_keys == KC) {
             hkeys = (const uint16_t *)j->k_cache + kbase;
             kstride = bs;
-        } else if (keys_in_place_i8 && n_keys == KC) {
-            qkeys = (const int8_t *)j->k_cache + kbase;
-            kstride = bs;
-        } else if (kv_fmt == FMT_I8) {   /* widened once for the tile's passes over its query heads */
-            const int8_t *codes = (const int8_t *)j->k_cache + kbase;
-            for (int64_t d = 0; d < D; d++) {
-                if (n_keys == KC) {
-                    for (int u = 0; u < NV; u++) {
-                        const vf x = load_vq(codes + d * bs + u * VW);
-                        memcpy(kbuf[d] + u * VW, &x, sizeof x);
-                    }
-                    continue;
-                }
-                memset(kbuf[d], 0, sizeof kbuf[d]);
-                for (int64_t t = 0; t < n_keys; t++) kbuf[d][t] = codes[d * bs + t];
-            }
+        } else if (kv_fmt == FMT_I8) {   /* regrouped once for the tile's query heads' integer dots */
+            attn_i8_keys((const int8_t *)j->k_cache + kbase, bs, n_keys, D, kt);
         } else {
             for (int64_t d = 0; d < D; d++) {
                 memset(kbuf[d], 0, sizeof kbuf[d]);
@@ -238,7 +233,8 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
             for (int64_t t = 0; t < n_keys; t++) load_fmt(vbuf[t], j->v_cache, vbase + t * KV * D, D, kv_fmt);
         }
         /* Scores: each lane sums over d in order, one multiply-add chain per (query, key). */
-        for (int64_t a0 = 0; a0 < A_pad; a0 += QU) {
+        if (kv_fmt == FMT_I8) attn_i8_scores(kt, D, &qc[0][0], MAX_D, &qd[0][0], MAX_D / 16, A, kscale, (float *)p);
+        for (int64_t a0 = 0; kv_fmt != FMT_I8 && a0 < A_pad; a0 += QU) {
             vf s[QU][NV];
 #pragma GCC unroll 4
             for (int r = 0; r < QU; r++)
@@ -248,8 +244,7 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                 vf kd[NV];
 #pragma GCC unroll 4
                 for (int u = 0; u < NV; u++)
-                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW)
-                            : qkeys ? load_vq(qkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
+                    kd[u] = hkeys ? load_vh(hkeys + d * kstride + u * VW) : load_v(keys + d * kstride + u * VW);
 #pragma GCC unroll 4
                 for (int r = 0; r < QU; r++) {
                     const vf x = splat(q[a0 + r][d]);
@@ -257,16 +252,10 @@ static void run_item(const job_t *j, int64_t tile, int64_t kv, const int kv_fmt)
                     for (int u = 0; u < NV; u++) s[r][u] += x * kd[u];
                 }
             }
-            if (kv_fmt == FMT_I8)
 #pragma GCC unroll 4
-                for (int r = 0; r < QU; r++)
+            for (int r = 0; r < QU; r++)
 #pragma GCC unroll 4
-                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * load_v(kscale + u * VW);
-            else
-#pragma GCC unroll 4
-                for (int r = 0; r < QU; r++)
-#pragma GCC unroll 4
-                    for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
+                for (int u = 0; u < NV; u++) p[a0 + r][u] = s[r][u] * j->scale;
         }
         /* Online softmax over the keys of this chunk each query sees, then its weighted values. */
         for (int64_t i = 0; i < nq; i++) {

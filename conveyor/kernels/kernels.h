@@ -273,6 +273,13 @@ int paged_attention(const void *q, int64_t ldq, const void *k_cache, const void 
                     const int64_t *tile_start, int64_t tiles, int64_t H, int64_t KV, int64_t D, int64_t bs,
                     int64_t window, float scale, void *out, int64_t ldo, int64_t num_threads, int act_fmt,
                     int kv_fmt);
+/* attention_i8.c: the 8-bit cache's scores as integer dots over chunks of 16 keys (int16 query codes with a scale
+ * per 16 d, the query heads padded with zero codes to a multiple of ATTN_I8_QPAD; kt holds D * 32 bytes) */
+#define ATTN_I8_QPAD 8
+void attn_i8_query(const float *x, int64_t D, int16_t *codes, float *d);
+void attn_i8_keys(const int8_t *codes, int64_t bs, int64_t n_keys, int64_t D, uint8_t *kt);
+void attn_i8_scores(const uint8_t *kt, int64_t D, const int16_t *qc, int64_t ldqc, const float *qd, int64_t ldqd,
+                    int64_t A, const float *kscale, float *p);
 /* sampling.c, scan.c, stream.c, shm_reduce.c */
 void mask_logits(float *logits, int64_t stride, const int64_t *rows, int64_t n, const int32_t *masks,
                  int64_t words, int64_t vocab, int32_t *alive);
