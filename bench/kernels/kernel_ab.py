@@ -88,7 +88,3 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['speedup_q3']:.3f})", flush=True)
     report.save_run("kernel-ab", args.out_dir, {"baseline": args.baseline, "rounds": args.rounds, "rows": args.rows,
                                                  "threads": args.threads, "sets": results})
-
-
-if __name__ == "__main__":
-    main()
