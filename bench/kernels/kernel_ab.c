@@ -4,6 +4,7 @@
  * round), then the same buffers are read by the stream kernel: the wall for exactly these bytes.
  * Prints one line of JSON. Usage: kernel_ab SHAPES LAYERS ROUNDS M THREADS, SHAPES as
  * fmt:N:K[,fmt:N:K...] with fmt a format code. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +46,7 @@ int main(int argc, char **argv) {
     if (argc < 6) return 2;
     int64_t sh[16][3], n = 0, maxn = 0, maxk = 0;
     for (char *tok = strtok(argv[1], ","); tok && n < 16; tok = strtok(NULL, ","), n++) {
-        if (sscanf(tok, "%ld:%ld:%ld", &sh[n][0], &sh[n][1], &sh[n][2]) != 3) return 2;
+        if (sscanf(tok, "%" SCNd64 ":%" SCNd64 ":%" SCNd64, &sh[n][0], &sh[n][1], &sh[n][2]) != 3) return 2;
         if (sh[n][1] > maxn) maxn = sh[n][1];
         if (sh[n][2] > maxk) maxk = sh[n][2];
     }
