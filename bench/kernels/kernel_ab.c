@@ -5,6 +5,7 @@
  * Prints one line of JSON. Usage: kernel_ab SHAPES LAYERS ROUNDS M THREADS, SHAPES as
  * fmt:N:K[,fmt:N:K...] with fmt a format code. */
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,19 +22,19 @@ static double now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* Where each file block keeps its 16-bit scales (kernels.h's typed blocks; KN_FORMAT's `scales` of them). */
+#define SCALE_AT(NAME, name, ...) [FMT_##NAME] = offsetof(block_##name, d),
+static const int64_t scale_at[FMT_END] = {KN_FORMATS(SCALE_AT)};
+#undef SCALE_AT
+
 /* Random codes with small sane scales (the speed does not depend on the values), repacked. */
 static uint8_t *weight(int fmt, int64_t N, int64_t K) {
     const int64_t uk = kn_unit_k(fmt), fb = kn_file_bytes(fmt), row = K / uk * fb;
     uint8_t *raw = malloc((size_t)(N * row));
     for (int64_t i = 0; i < N * row; i++) raw[i] = (uint8_t)rand();
-    const uint16_t h = 0x1400;
-    for (int64_t i = 0; i < N * K / uk; i++) {
-        uint8_t *b = raw + i * fb;
-        if (fmt == FMT_Q6_K) memcpy(b + 208, &h, 2);
-        else if (fmt == FMT_Q3_K) memcpy(b + 108, &h, 2);
-        else if (fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q4_1 || fmt == FMT_Q5_1) { memcpy(b, &h, 2); memcpy(b + 2, &h, 2); }
-        else memcpy(b, &h, 2);
-    }
+    const uint16_t h = 0x1400;   /* ~1e-3 */
+    for (int64_t i = 0; i < N * K / uk; i++)
+        for (int64_t c = 0; c < KN_FORMAT[fmt].scales; c++) memcpy(raw + i * fb + scale_at[fmt] + 2 * c, &h, 2);
     uint8_t *w = aligned_alloc(64, (size_t)((kq_packed_bytes(fmt, N, K) + 63) / 64 * 64));
     kq_repack(fmt, raw, row, NULL, N, K, w, 2);
     free(raw);

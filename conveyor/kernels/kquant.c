@@ -106,6 +106,7 @@ typedef struct {
     kacts k;
     int has_k, has_other;
     int64_t first_item[KQ_MAX_SEGMENTS + 1], col[KQ_MAX_SEGMENTS], panels[KQ_MAX_SEGMENTS];
+    int streamed[KQ_MAX_SEGMENTS];   /* the segment is STREAMED_LAYER_BYTES or more */
 } linear_job;
 
 static void quantize_item(void *arg, int64_t m) {
@@ -134,8 +135,7 @@ static void linear_item(void *arg, int64_t item) {
     const uint8_t *wp = seg->w + p * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt);
     if (legacy_format(fmt)) {
         quant_panel_rows(fmt, wp, KB, j->a.qx + m0 * K, K, j->a.dx + m0 * KB, j->a.sx + m0 * KB,
-                         j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0,
-                         seg->n * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt) >= STREAMED_LAYER_BYTES);
+                         j->a.sxd + m0 * KB, bias, y + m0 * j->ldy, j->ldy, nc, 0, m1 - m0, j->streamed[s]);
     } else if (acts256(fmt)) {
         kq_panel_k(fmt, wp, K, j->k.qx + m0 * K, j->k.du + m0 * (K / 256), j->k.bs32 + m0 * (K / 32),
                    j->k.o16 + m0 * (K / 16), bias, y + m0 * j->ldy, j->ldy, nc, m1 - m0);
@@ -156,7 +156,7 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
             return -1;
     if (M <= 0) return 0;
     const int64_t KB = K / QK, blocks = (M + MC - 1) / MC;
-    linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, 0, 0, {0}, {0}, {0}};
+    linear_job job = {L, x, ldx, ldy, M, y, {0}, {0}, 0, 0, {0}, {0}, {0}, {0}};
     for (int64_t s = 0; s < L->num_segments; s++) {
         if (acts256((int)L->seg[s].fmt)) job.has_k = 1;
         else job.has_other = 1;
@@ -183,6 +183,8 @@ int kq_linear(const float *x, int64_t ldx, const kq_linear_t *L, float *y, int64
         job.col[s] = col;
         col += L->seg[s].n;
         job.panels[s] = (L->seg[s].n + NR - 1) / NR;
+        const int fmt = (int)L->seg[s].fmt;
+        job.streamed[s] = L->seg[s].n * (K / kn_unit_k(fmt)) * kn_unit_bytes(fmt) >= STREAMED_LAYER_BYTES;
         job.first_item[s + 1] = job.first_item[s] + job.panels[s] * blocks;
     }
     pool_for(M, quantize_item, &job, M * K < 16384 ? 1 : num_threads);   /* a few rows: not worth a thread */
