@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "kernels.h"
@@ -35,7 +36,12 @@ static uint8_t *weight(int fmt, int64_t N, int64_t K) {
     const uint16_t h = 0x1400;   /* ~1e-3 */
     for (int64_t i = 0; i < N * K / uk; i++)
         for (int64_t c = 0; c < KN_FORMAT[fmt].scales; c++) memcpy(raw + i * fb + scale_at[fmt] + 2 * c, &h, 2);
-    uint8_t *w = aligned_alloc(64, (size_t)((kq_packed_bytes(fmt, N, K) + 63) / 64 * 64));
+    /* 2 MiB pages where the kernel allows, as the engine's weight buffers (kernels/quant.py) */
+    const size_t huge = (size_t)2 << 20, size = (size_t)((kq_packed_bytes(fmt, N, K) + huge - 1) / huge * huge);
+    uint8_t *w = aligned_alloc(huge, size);
+#ifdef MADV_HUGEPAGE
+    madvise(w, size, MADV_HUGEPAGE);
+#endif
     kq_repack(fmt, raw, row, NULL, N, K, w, 2);
     free(raw);
     return w;
