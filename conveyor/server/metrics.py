@@ -123,6 +123,15 @@ class ServerMetrics:
         self.disk_read = counter("conveyor:prefix_cache_disk_read_bytes_total", "Bytes of KV blocks read from disk.")
         self.disk_written = counter("conveyor:prefix_cache_disk_written_bytes_total",
                                     "Bytes of KV blocks written to disk (counted with the next engine step).")
+        self.host_queries = counter("conveyor:prefix_cache_host_queries_total",
+                                    "Prompt tokens past the memory hits looked up in the prefix cache in host memory.")
+        self.host_hits = counter("conveyor:prefix_cache_host_hits_total",
+                                 "Prompt tokens copied back from the prefix cache in host memory and used.")
+        self.host_read = counter("conveyor:prefix_cache_host_read_bytes_total",
+                                 "Bytes of KV blocks copied from host memory into the KV cache.")
+        self.host_written = counter("conveyor:prefix_cache_host_written_bytes_total",
+                                    "Bytes of KV blocks copied from the KV cache to host memory.")
+        self.host_bytes = gauge("conveyor:prefix_cache_host_bytes", "Bytes of KV blocks held in host memory.")
         self.drafts = counter("vllm:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
@@ -244,6 +253,12 @@ class ServerMetrics:
                                   step.disk.num_hit_tokens), (self.disk_read, step.disk.bytes_read),
                                   (self.disk_written, step.disk.bytes_written)):
                 metric.inc(value)
+        if step.host is not None:
+            for metric, value in ((self.host_queries, step.host.num_query_tokens), (self.host_hits,
+                                  step.host.num_hit_tokens), (self.host_read, step.host.bytes_read),
+                                  (self.host_written, step.host.bytes_written)):
+                metric.inc(value)
+            self.host_bytes.set(step.host.nbytes)
         if step.num_drafts:
             self.drafts.inc(step.num_drafts)
             self.draft_tokens.inc(step.num_draft_tokens)
