@@ -248,16 +248,14 @@ class ServerMetrics:
             self.prefix_queries.inc(step.num_prefix_query_tokens)
         if step.num_prefix_memory_hit_tokens:
             self.prefix_hits.inc(step.num_prefix_memory_hit_tokens)
-        if step.disk is not None:
-            for metric, value in ((self.disk_queries, step.disk.num_query_tokens), (self.disk_hits,
-                                  step.disk.num_hit_tokens), (self.disk_read, step.disk.bytes_read),
-                                  (self.disk_written, step.disk.bytes_written)):
-                metric.inc(value)
+        for tier, (queries, hits, read, written) in (
+                (step.disk, (self.disk_queries, self.disk_hits, self.disk_read, self.disk_written)),
+                (step.host, (self.host_queries, self.host_hits, self.host_read, self.host_written))):
+            if tier is not None:
+                for metric, value in ((queries, tier.num_query_tokens), (hits, tier.num_hit_tokens),
+                                      (read, tier.bytes_read), (written, tier.bytes_written)):
+                    metric.inc(value)
         if step.host is not None:
-            for metric, value in ((self.host_queries, step.host.num_query_tokens), (self.host_hits,
-                                  step.host.num_hit_tokens), (self.host_read, step.host.bytes_read),
-                                  (self.host_written, step.host.bytes_written)):
-                metric.inc(value)
             self.host_bytes.set(step.host.nbytes)
         if step.num_drafts:
             self.drafts.inc(step.num_drafts)

@@ -15,6 +15,7 @@ from conveyor.cli.flags import engine_options, parse_args
 from conveyor.config import EngineConfig
 from conveyor.core.block_manager import hash_block
 from conveyor.engine.stats import EngineStats
+from conveyor.runtime.kv.host_tier import HostKVTier
 
 pytest.importorskip("gguf")
 
@@ -33,8 +34,9 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 def engine(device: str, host_blocks: int, **options) -> LLM:  # noqa: ANN003
+    on_gpu = {"attention_backend": "sdpa"} if device == "cuda" else {}   # no compile: the tier is what is tested
     return LLM(device=device, num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=256, max_num_seqs=4,
-               kv_cache_dtype="float16", prefix_cache_host_size=host_blocks * BLOCK_NBYTES, **options)
+               kv_cache_dtype="float16", prefix_cache_host_size=host_blocks * BLOCK_NBYTES, **on_gpu, **options)
 
 
 def prompt(llm: LLM, seed: int, num_tokens: int) -> list[int]:
@@ -164,3 +166,18 @@ def test_host_size_options() -> None:
     with pytest.raises(ValueError, match="holds no block"):
         LLM(prefix_cache_host_size=1000)
     assert LLM(num_kv_blocks=4).engine.core.disk_tier is None   # off by default
+
+
+def test_host_tier_copies_bytes_and_keeps_the_most_recently_used() -> None:
+    kv = torch.arange(2 * 2 * 5 * 3, dtype=torch.float16).view(2, 2, 5, 3)   # (L, 2, blocks, block elements)
+    host = HostKVTier(block_nbytes=2 * 2 * 3 * 2, max_bytes=3 * 24 + 5, device=torch.device("cpu"))
+    copied, ready = host.copy_out(kv, [(b"a", 0), (b"b", 1), (b"c", 2)])
+    assert ready is None and [h for h, _ in copied] == [b"a", b"b", b"c"] and host.nbytes == 72
+    assert torch.equal(host.get(b"b").view(torch.float16).view(2, 2, 3), kv[:, :, 1])   # b is now the most recent
+    host.touch([b"a", b"x"])
+    copied, _ = host.copy_out(kv, [(b"c", 2), (b"d", 3)])   # c is here already (now the most recent)
+    assert [h for h, _ in copied] == [b"d"] and list(host.buffers) == [b"a", b"c", b"d"]   # b was least recent
+    assert host.num_leading([b"a", b"c", b"b", b"d"]) == 2 and host.bytes_written == 4 * 24
+    dest = torch.zeros(2, 2, 3, dtype=torch.float16)
+    host.copy_in(host.get(b"d"), dest)
+    assert torch.equal(dest, kv[:, :, 3]) and host.bytes_read == 24

@@ -48,6 +48,13 @@ class HostKVTier:
             count += 1
         return count
 
+    def touch(self, block_hashes: Sequence[bytes]) -> None:
+        """Mark the blocks here among `block_hashes` most recently used (a prompt hit them in the KV cache):
+        a prefix in steady use stays here for when the KV cache lets it go."""
+        for block_hash in block_hashes:
+            if block_hash in self.buffers:
+                self.buffers.move_to_end(block_hash)
+
     def get(self, block_hash: bytes) -> torch.Tensor | None:
         """The block's buffer, now the most recently used; None if it is not here."""
         buffer = self.buffers.get(block_hash)
@@ -81,7 +88,7 @@ class HostKVTier:
         event = None
         if copied and self.is_cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(kv.device))   # behind the copies just queued
         self.bytes_written += len(copied) * self.block_nbytes
         return copied, event
 

@@ -87,6 +87,7 @@ class DiskPrefixTier:
         wanted = request.block_hashes[len(in_memory):(request.num_tokens - 1) // size]
         num_in_host = 0
         if self.host is not None:
+            self.host.touch(request.block_hashes[:len(in_memory)])
             self.num_host_query_tokens += len(wanted) * size
             num_in_host = self.host.num_leading(wanted)
         on_disk = wanted[num_in_host:]
