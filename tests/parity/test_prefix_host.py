@@ -155,6 +155,19 @@ def test_batched_equals_alone_with_host_hits(device: str) -> None:
     assert used["hits"] == sum(full_tokens(p) for p in prompts) == 13 * BS and used["host"] == 5 * BS
 
 
+def test_an_int8_cache_moves_its_codes_and_scales() -> None:
+    llm = LLM(num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=256, kv_cache_dtype="int8",
+              prefix_cache_host_size="64MiB")
+    a, b = prompt(llm, 12, 100), prompt(llm, 13, 170)
+    run(llm, [a])
+    warm = run(llm, [a])
+    run(llm, [b])
+    before = counts(llm.engine.stats)
+    assert run(llm, [a]) == warm
+    used = delta(before, llm)
+    assert used["host"] >= 5 * BS and used["hits"] == full_tokens(a) and used["prefill"] == len(a) - full_tokens(a)
+
+
 def test_host_size_options() -> None:
     config = EngineConfig.from_options(**engine_options(parse_args(["serve", "--prefix-cache-host-size", "8G"])))
     assert config.cache.prefix_cache_host_size == "8G" and config.cache.prefix_cache_dir is None
