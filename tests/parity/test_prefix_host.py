@@ -145,8 +145,9 @@ def test_batched_equals_alone_with_host_hits(device: str) -> None:
     llm = engine(device, host_blocks=64)
     shared = prompt(llm, 7, 64)   # four blocks
     prompts = [shared + prompt(llm, 8 + i, 9 + 5 * i) for i in range(3)]
-    run(llm, [shared + [5, 6, 7]])   # so that each prompt alone hits the same four blocks as in the batch
-    alone = [run(llm, [p])[0] for p in prompts]
+    for p in prompts:
+        run(llm, [p])
+    alone = [run(llm, [p])[0] for p in prompts]   # each hits all its full blocks, as each will in the batch
     run(llm, [prompt(llm, 11, 170)])   # the shared blocks leave the KV cache; host memory keeps them
     before = counts(llm.engine.stats)
     assert run(llm, prompts) == alone
