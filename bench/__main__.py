@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fuzz": ("bench.serving.fuzz", "Schemathesis against a real server, every operation of its OpenAPI document"),
     "prefix": ("bench.features.prefix", "prefix caching on against off: a late turn's TTFT, shared-prompt throughput"),
     "prefix-disk": ("bench.features.prefix_disk", "the prefix cache's disk tier: TTFT cold, from memory, after a restart"),
+    "prefix-host": ("bench.features.prefix_host", "the prefix cache's host memory tier: TTFT cold, from memory, after "
+                    "an eviction"),
     "structured": ("bench.features.structured", "what a JSON schema costs inside the continuous batch"),
     "speculative": ("bench.features.speculative", "speculative decoding (n-gram or a draft model) on against off"),
     "draft-cost": ("bench.features.draft_cost", "one step's time with 0..k draft tokens per request"),

@@ -83,15 +83,17 @@ class CacheConfig:
     # A second tier of the prefix cache: full blocks are written here and read back, across restarts.
     prefix_cache_dir: str | None = None
     prefix_cache_disk_size: str | int = "10GiB"
+    prefix_cache_host_size: str | int = 0   # host memory for full blocks, in front of the disk or alone; 0: off
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         parse_bytes(self.prefix_cache_disk_size, "prefix_cache_disk_size")
-        if self.prefix_cache_dir is not None:
-            if not isinstance(self.prefix_cache_dir, str) or not self.prefix_cache_dir:
-                raise ValueError(f"prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
-            if not self.enable_prefix_caching:
-                raise ValueError("prefix_cache_dir needs enable_prefix_caching: the disk tier is the prefix cache's")
+        has_host_tier = parse_bytes(self.prefix_cache_host_size, "prefix_cache_host_size", allow_zero=True) > 0
+        if self.prefix_cache_dir is not None and not (self.prefix_cache_dir and isinstance(self.prefix_cache_dir, str)):
+            raise ValueError(f"prefix_cache_dir must be a folder path, got {self.prefix_cache_dir!r}")
+        if (self.prefix_cache_dir is not None or has_host_tier) and not self.enable_prefix_caching:
+            raise ValueError(f"{'prefix_cache_dir' if self.prefix_cache_dir is not None else 'prefix_cache_host_size'}"
+                             " needs enable_prefix_caching: the second tiers are the prefix cache's")
         if self.kv_cache_dtype in KV_CACHE_DTYPE_ALIASES:
             object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES[self.kv_cache_dtype])
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

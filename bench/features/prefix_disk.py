@@ -47,10 +47,13 @@ def stream(base_url: str, prompt: list[int], max_tokens: int) -> tuple[float, li
     return ttft, pieces
 
 
-def disk_metrics(base_url: str) -> dict[str, float]:
-    wanted = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-              "vllm:external_prefix_cache_hits_total", "conveyor:prefix_cache_disk_read_bytes_total",
-              "conveyor:prefix_cache_disk_written_bytes_total")
+DISK_METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+                "vllm:external_prefix_cache_hits_total", "conveyor:prefix_cache_disk_read_bytes_total",
+                "conveyor:prefix_cache_disk_written_bytes_total")
+
+
+def metric_values(base_url: str, wanted: tuple[str, ...] = DISK_METRICS) -> dict[str, float]:
+    """The server's /metrics samples named in `wanted` (labels dropped)."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.split("{")[0] in wanted}
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                     runs[name] = {"ttft_s": ttft, "pieces": pieces}
                     print(f"{phase}: {name} TTFT {ttft:.3f} s", flush=True)
                 runs[names[0]]["startup_s"] = server.startup_s
-                runs[names[0]]["metrics"] = disk_metrics(server.base_url)
+                runs[names[0]]["metrics"] = metric_values(server.base_url)
         files = list(cache_dir.glob("*/*.kv"))
         disk_bytes = sum(p.stat().st_size for p in files)
         if not args.no_baseline:

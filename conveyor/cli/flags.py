@@ -112,6 +112,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache-disk-size", default=CacheConfig.prefix_cache_disk_size,
                        help="most bytes of KV blocks in --prefix-cache-dir, e.g. 20G; the least recently used go "
                             f"first (default {CacheConfig.prefix_cache_disk_size})")
+    group.add_argument("--prefix-cache-host-size", default=CacheConfig.prefix_cache_host_size,
+                       help="most bytes of full KV blocks kept in host memory (pinned on a GPU) beyond the KV cache, "
+                            "in front of --prefix-cache-dir or alone, e.g. 8G; the least recently used go first "
+                            "(default 0: off)")
     add_speculative_flags(group)
     group.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
                        help="a tenant's share of the batch relative to others (default 1), repeatable; the tenant "
@@ -184,6 +188,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
         "prefix_cache_dir": args.prefix_cache_dir, "prefix_cache_disk_size": args.prefix_cache_disk_size,
+        "prefix_cache_host_size": args.prefix_cache_host_size,
         "kv_cache_dtype": DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         **speculative_options({"speculative": args.speculative, **_given(args, *SPECULATIVE_FLAGS)},
                               args.speculative_config),

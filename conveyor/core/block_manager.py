@@ -27,7 +27,7 @@ class BlockManager:
     - a hashed block holds the KV of exactly the prefix its hash names and is never written again;
       it stays findable after it is freed, until it is evicted by reuse (least recently freed first).
 
-    A second tier (a disk store the runtime owns) sees the cache through two doors: with
+    A second tier (host memory or a disk store the runtime owns) sees the cache through two doors: with
     `track_new_blocks`, each block hashed for the first time is listed for `take_new_blocks`, so its
     KV can be copied out before anything reuses it; and `adopt` takes a free block for KV read back
     from that tier, publishing it under its hash as a freed cached block would be.
@@ -47,8 +47,10 @@ class BlockManager:
         self.num_hit_tokens = 0       # of which found
         self.track_new_blocks = False
         self.new_blocks: list[tuple[bytes, int]] = []   # (hash, block id) hashed since take_new_blocks
-        self.adopted_ids: set[int] = set()   # read back from the second tier, not yet a first admission's hit
+        # Read back from the second tier, not yet a first admission's hit: block id -> whether from host memory.
+        self.adopted_ids: dict[int, bool] = {}
         self.num_adopted_hit_tokens = 0      # of num_hit_tokens, those adopted blocks gave
+        self.num_host_hit_tokens = 0         # of num_adopted_hit_tokens, those adopted from host memory
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,9 +97,10 @@ class BlockManager:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
         for block_id in cached_block_ids:
-            if block_id in self.adopted_ids:
-                self.adopted_ids.discard(block_id)
+            from_host = self.adopted_ids.pop(block_id, None)
+            if from_host is not None:
                 self.num_adopted_hit_tokens += self.block_size
+                self.num_host_hit_tokens += self.block_size if from_host else 0
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are full and computed, so later requests can share them."""
@@ -137,7 +140,7 @@ class BlockManager:
             if block_id in self.free_queue:
                 self.free_queue.move_to_end(block_id)
 
-    def adopt(self, block_hash: bytes) -> int | None:
+    def adopt(self, block_hash: bytes, from_host: bool = False) -> int | None:
         """A free block to hold the KV of `block_hash`, read back from the second tier: the least
         recently freed block is evicted for it, and it joins the cache as the most recently freed.
         The caller writes its KV before the next step. None when no block is free or the hash is cached."""
@@ -148,7 +151,7 @@ class BlockManager:
         self.free_queue.move_to_end(block_id)
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
-        self.adopted_ids.add(block_id)
+        self.adopted_ids[block_id] = from_host
         return block_id
 
     # ------------------------------------------------------------ allocation
@@ -217,7 +220,7 @@ class BlockManager:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
-        self.adopted_ids.discard(block_id)
+        self.adopted_ids.pop(block_id, None)
 
     def check_integrity(self, requests: Sequence[Request] = ()) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (for tests and debugging)."""

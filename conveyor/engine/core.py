@@ -37,7 +37,7 @@ from conveyor.engine.messages import (
     WatchBatch,
 )
 from conveyor.engine.prompt_scoring import PromptScores
-from conveyor.engine.stats import DiskTierCounts, DraftTally, EngineStats, StepStats
+from conveyor.engine.stats import DraftTally, EngineStats, StepStats, tier_counts
 from conveyor.runtime.step_sampling import sample_rows
 from conveyor.engine.structured_output import StructuredOutputs, grammar_compiler
 from conveyor.engine.thinking_budget import ThinkingBudgets
@@ -45,7 +45,7 @@ from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.runtime.runtime_builder import Runtime, build_draft, build_runtime, log_batching
 from conveyor.model.llama import LlamaModel
 from conveyor.runtime.draft_model import DraftModelProposer
-from conveyor.runtime.kv.prefix_tier import build_disk_tier
+from conveyor.runtime.kv.prefix_tier import build_prefix_tier
 from conveyor.runtime.tensor_parallel import WorkerLost
 from conveyor.runtime.sampler import Sampler, make_generator
 
@@ -76,9 +76,9 @@ class EngineCore:
         self.max_model_len = runtime.max_model_len
         num_threads, num_blocks, cache_cfg = runtime.num_threads, runtime.kv_cache.num_blocks, config.cache
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        self.disk_tier = build_disk_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
-                                         dtype=self.dtype, quantization=self.quantization, device=self.device,
-                                         kernel_features=getattr(self.kernel_library, "features", None))
+        self.disk_tier = build_prefix_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
+                                           dtype=self.dtype, quantization=self.quantization, device=self.device,
+                                           kernel_features=getattr(self.kernel_library, "features", None))
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
@@ -110,7 +110,7 @@ class EngineCore:
                              kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
                              kv_cache_bytes=self.kv_cache.tensor.nbytes,
                              enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
-                             prefix_cache_folder=str(self.disk_tier.store.folder) if self.disk_tier else "",
+                             prefix_cache_folder=self.disk_tier.folder if self.disk_tier else "",
                              weights=getattr(self.model, "weight_formats", None) or self.quantization
                              if self.quantization != "none" else str(self.dtype).removeprefix("torch."))
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
@@ -311,7 +311,7 @@ class EngineCore:
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,
             accepted_per_position=tuple(drafts.accepted_per_position),
-            disk=DiskTierCounts(*self.disk_tier.take_counts()) if self.disk_tier is not None else None,
+            **tier_counts(self.disk_tier),
         )
         self.stats.record(step)
         self.last_step = step

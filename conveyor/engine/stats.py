@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.runtime.kv.prefix_tier import DiskPrefixTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +21,29 @@ class DiskTierCounts:
     def __add__(self, other: DiskTierCounts) -> DiskTierCounts:
         return DiskTierCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
+
+@dataclass(frozen=True, slots=True)
+class HostTierCounts:
+    """The host memory tier's counters: one step's, or totals (`nbytes`: the latest)."""
+
+    num_query_tokens: int = 0    # prompt tokens past the memory hits looked up in host memory
+    num_hit_tokens: int = 0      # tokens copied back from host memory and then used by a request
+    bytes_read: int = 0          # host -> KV cache
+    bytes_written: int = 0       # KV cache -> host
+    nbytes: int = 0              # held in host memory after the step
+
+    def __add__(self, other: HostTierCounts) -> HostTierCounts:
+        sums = (a + b for a, b in zip(astuple(self)[:4], astuple(other)[:4]))
+        return HostTierCounts(*sums, nbytes=other.nbytes)
+
+
+def tier_counts(tier: DiskPrefixTier | None) -> dict[str, DiskTierCounts | HostTierCounts | None]:
+    """The second tiers' counts since the last call, as StepStats fields."""
+    if tier is None:
+        return {}
+    disk, host = tier.take_counts()
+    return {"disk": DiskTierCounts(*disk) if disk is not None else None,
+            "host": HostTierCounts(*host) if host is not None else None}
 
 
 @dataclass(slots=True)
@@ -56,10 +83,13 @@ class StepStats:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()   # [i]: drafts whose (i+1)-th guess held
     disk: DiskTierCounts | None = None            # the prefix cache's disk tier, where there is one
+    host: HostTierCounts | None = None            # its host memory tier, where there is one
 
     @property
     def num_prefix_memory_hit_tokens(self) -> int:
-        return self.num_prefix_hit_tokens - (self.disk.num_hit_tokens if self.disk is not None else 0)
+        """Hits on blocks the KV cache kept, not those the second tiers gave back."""
+        return (self.num_prefix_hit_tokens - (self.disk.num_hit_tokens if self.disk is not None else 0)
+                - (self.host.num_hit_tokens if self.host is not None else 0))
 
     @property
     def is_decode(self) -> bool:
@@ -87,6 +117,7 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: drafts whose (i+1)-th guess held
     disk: DiskTierCounts = field(default_factory=DiskTierCounts)
+    host: HostTierCounts = field(default_factory=HostTierCounts)
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -105,6 +136,8 @@ class EngineStats:
         self.num_accepted_tokens += step.num_accepted_tokens
         if step.disk is not None:
             self.disk += step.disk
+        if step.host is not None:
+            self.host += step.host
         for i, count in enumerate(step.accepted_per_position):
             if i == len(self.accepted_per_position):
                 self.accepted_per_position.append(0)

@@ -58,6 +58,11 @@ CONVEYOR_METRIC_NAMES = (
     "conveyor:batch_config_info",
     "conveyor:prefix_cache_disk_read_bytes_total",
     "conveyor:prefix_cache_disk_written_bytes_total",
+    "conveyor:prefix_cache_host_queries_total",
+    "conveyor:prefix_cache_host_hits_total",
+    "conveyor:prefix_cache_host_read_bytes_total",
+    "conveyor:prefix_cache_host_written_bytes_total",
+    "conveyor:prefix_cache_host_bytes",
     "conveyor:kv_cache_capacity_tokens",
     "conveyor:kv_cache_memory_bytes",
 )

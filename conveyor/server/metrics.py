@@ -123,6 +123,15 @@ class ServerMetrics:
         self.disk_read = counter("conveyor:prefix_cache_disk_read_bytes_total", "Bytes of KV blocks read from disk.")
         self.disk_written = counter("conveyor:prefix_cache_disk_written_bytes_total",
                                     "Bytes of KV blocks written to disk (counted with the next engine step).")
+        self.host_queries = counter("conveyor:prefix_cache_host_queries_total",
+                                    "Prompt tokens past the memory hits looked up in the prefix cache in host memory.")
+        self.host_hits = counter("conveyor:prefix_cache_host_hits_total",
+                                 "Prompt tokens copied back from the prefix cache in host memory and used.")
+        self.host_read = counter("conveyor:prefix_cache_host_read_bytes_total",
+                                 "Bytes of KV blocks copied from host memory into the KV cache.")
+        self.host_written = counter("conveyor:prefix_cache_host_written_bytes_total",
+                                    "Bytes of KV blocks copied from the KV cache to host memory.")
+        self.host_bytes = gauge("conveyor:prefix_cache_host_bytes", "Bytes of KV blocks held in host memory.")
         self.drafts = counter("vllm:spec_decode_num_drafts_total", "Decodes that carried draft tokens.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
@@ -239,11 +248,15 @@ class ServerMetrics:
             self.prefix_queries.inc(step.num_prefix_query_tokens)
         if step.num_prefix_memory_hit_tokens:
             self.prefix_hits.inc(step.num_prefix_memory_hit_tokens)
-        if step.disk is not None:
-            for metric, value in ((self.disk_queries, step.disk.num_query_tokens), (self.disk_hits,
-                                  step.disk.num_hit_tokens), (self.disk_read, step.disk.bytes_read),
-                                  (self.disk_written, step.disk.bytes_written)):
-                metric.inc(value)
+        for tier, (queries, hits, read, written) in (
+                (step.disk, (self.disk_queries, self.disk_hits, self.disk_read, self.disk_written)),
+                (step.host, (self.host_queries, self.host_hits, self.host_read, self.host_written))):
+            if tier is not None:
+                for metric, value in ((queries, tier.num_query_tokens), (hits, tier.num_hit_tokens),
+                                      (read, tier.bytes_read), (written, tier.bytes_written)):
+                    metric.inc(value)
+        if step.host is not None:
+            self.host_bytes.set(step.host.nbytes)
         if step.num_drafts:
             self.drafts.inc(step.num_drafts)
             self.draft_tokens.inc(step.num_draft_tokens)

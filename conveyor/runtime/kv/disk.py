@@ -57,7 +57,7 @@ class KVDiskStore:
         self.num_dropped = 0              # blocks not written: the queue was full (a slow disk)
         self.num_bad_files = 0            # files refused on read
         self.num_failed_writes = 0
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor, torch.cuda.Event | None] | None] = queue.Queue()
         self._queued_bytes = 0
         self._idle = threading.Condition()
         self._pending = 0
@@ -111,9 +111,10 @@ class KVDiskStore:
 
     # ------------------------------------------------------------ writing
 
-    def submit(self, block_hash: bytes, block: torch.Tensor) -> bool:
-        """Queue a copy of one block's KV (a CPU tensor nobody else holds) for writing; False when
-        the queue is full, so a slow disk costs hits later, never a step now."""
+    def submit(self, block_hash: bytes, block: torch.Tensor, ready: torch.cuda.Event | None = None) -> bool:
+        """Queue a copy of one block's KV (a CPU tensor nobody writes again; its bytes are there once
+        `ready` is done, the event of a copy from a GPU) for writing; False when the queue is full, so a
+        slow disk costs hits later, never a step now."""
         nbytes = block.numel() * block.element_size()
         if nbytes != self.block_nbytes:
             raise ValueError(f"a block of {nbytes} bytes, expected {self.block_nbytes}")
@@ -123,7 +124,7 @@ class KVDiskStore:
                 return False
             self._queued_bytes += nbytes
             self._pending += 1
-        self._queue.put((block_hash, block))
+        self._queue.put((block_hash, block, ready))
         return True
 
     def flush(self, timeout_s: float) -> bool:
@@ -140,8 +141,10 @@ class KVDiskStore:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            block_hash, block = item
+            block_hash, block, ready = item
             try:
+                if ready is not None:
+                    ready.synchronize()   # this thread waits for the copy, never the step loop
                 self._write(block_hash, block)
             except OSError as exc:   # a full or failing disk: this block stays in memory only
                 self.num_failed_writes += 1
