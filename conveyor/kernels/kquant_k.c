@@ -43,9 +43,10 @@
  * prefetcher leaves a one-row step at half the stream rate. Measured on Zen 4, two threads, weights
  * streamed from memory, distances interleaved in one run, one row: Q4_K 21 GB/s 1 KiB ahead, 29 at
  * 4 KiB, 31 at 8 KiB, 30 at 12-16 KiB (7B shapes; 18 -> 27 at 896 x 4864); Q6_K and Q5_0 level from
- * 8 KiB on. One line per group of codes, not a block's lines at once: a burst of requests finds the
- * miss queue full while the dot products run (Q6_K +5 %, Q4_K +2 % in one run); into L1 (locality 3)
- * the lines cost a third. */
+ * 8 KiB on. A block's lines are asked for in order, one or two per group of codes, not all at the
+ * block's start: a burst finds the miss queue full while the dot products run, and out of order they
+ * train the hardware prefetcher worse (Q6_K +8 %, Q4_K +2 % in one run); into L1 (locality 3) the
+ * lines cost a third. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES(fmt) 8192
 #endif
@@ -163,14 +164,15 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                 __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + l * 64, 0, 1);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
+#pragma GCC unroll 8   /* g a constant: the prefetch lines and the plane offsets fold (Q3_K in cache 18 -> 31 GB/s) */
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
             if (decoded) {
                 lo = vload(decoded + (j * 8 + g) * 128);
                 hi = vload(decoded + (j * 8 + g) * 128 + 64);
-            } else {   /* the block's lines (at most 16) spread over its groups: g and g + 8 */
-                if (g < body_bytes(fmt) / 64) __builtin_prefetch(blk + PREFETCH_BYTES(fmt) + g * 64, 0, 1);
-                if (g + 8 < body_bytes(fmt) / 64) __builtin_prefetch(blk + PREFETCH_BYTES(fmt) + (g + 8) * 64, 0, 1);
+            } else {   /* the block's lines in order, spread over its groups */
+                for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
+                    __builtin_prefetch(blk + PREFETCH_BYTES(fmt) + l * 64, 0, 1);
                 group_codes(fmt, blk, g, &lo, &hi);
             }
             for (int r = 0; r < mr; r++) {
@@ -245,6 +247,7 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + i, 0, 1);
     for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
+#pragma GCC unroll 8   /* as in unit_rows */
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
             group_codes(fmt, blk, g, &lo, &hi);
