@@ -76,9 +76,9 @@ class EngineCore:
         self.max_model_len = runtime.max_model_len
         num_threads, num_blocks, cache_cfg = runtime.num_threads, runtime.kv_cache.num_blocks, config.cache
         self.blocks = BlockManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        self.disk_tier = build_prefix_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
-                                           dtype=self.dtype, quantization=self.quantization, device=self.device,
-                                           kernel_features=getattr(self.kernel_library, "features", None))
+        self.prefix_tier = build_prefix_tier(config, self.model_path, self.kv_cache, self.blocks, arch=self.model.arch,
+                                             dtype=self.dtype, quantization=self.quantization, device=self.device,
+                                             kernel_features=getattr(self.kernel_library, "features", None))
         self.cost_model = StepCostModel()
         spec = config.speculative
         proposer = (NgramProposer(spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max)
@@ -110,7 +110,7 @@ class EngineCore:
                              kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
                              kv_cache_bytes=self.kv_cache.tensor.nbytes,
                              enable_prefix_caching=cache_cfg.enable_prefix_caching, model_path=str(self.model_path),
-                             prefix_cache_folder=self.disk_tier.folder if self.disk_tier else "",
+                             prefix_cache_folder=self.prefix_tier.folder if self.prefix_tier else "",
                              weights=getattr(self.model, "weight_formats", None) or self.quantization
                              if self.quantization != "none" else str(self.dtype).removeprefix("torch."))
         logger.info("start-up: engine core ready in %.2f s (max_model_len %d)", self.info.startup_s,
@@ -155,7 +155,7 @@ class EngineCore:
 
     def _schedule(self, request: Request) -> None:
         """To the scheduler; first held while the disk tier reads its prompt's blocks back, if it has them."""
-        if self.disk_tier is None or not self.disk_tier.hold(request):
+        if self.prefix_tier is None or not self.prefix_tier.hold(request):
             self.scheduler.add(request)
 
     def _schedule_compiled(self) -> None:
@@ -194,7 +194,7 @@ class EngineCore:
         self.structured.drop(request_id)
         self.budgets.drop(request_id)
         self.prompt_scores.drop(request_id)
-        is_held = self.disk_tier is not None and self.disk_tier.drop(request_id)
+        is_held = self.prefix_tier is not None and self.prefix_tier.drop(request_id)
         if self._compiling.pop(request_id, None) is None and not is_held:
             self.scheduler.finish(request_id, reason, stop_reason)   # a no-op for a request it already finished
         if live is None:
@@ -206,7 +206,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self._compiling) or self._num_held() > 0
 
     def _num_held(self) -> int:
-        return len(self.disk_tier.held) if self.disk_tier is not None else 0
+        return len(self.prefix_tier.held) if self.prefix_tier is not None else 0
 
     def handle(self, command: CoreCommand) -> None:
         """Apply one command from the front. A refused add is reported in the next StepOutputs."""
@@ -234,8 +234,8 @@ class EngineCore:
     def close(self) -> None:
         """Stop what the core started beside itself (tensor-parallel workers, the disk tier's writer)."""
         self.runner.close()
-        if self.disk_tier is not None:
-            self.disk_tier.close()
+        if self.prefix_tier is not None:
+            self.prefix_tier.close()
 
     def has_news(self) -> bool:
         """True when a StepOutputs is owed to the front even without a step (a rejection, an abort)."""
@@ -275,13 +275,13 @@ class EngineCore:
         started = self.clock()
         lookups_before = (self.blocks.num_query_tokens, self.blocks.num_hit_tokens)
         if self._num_held():
-            for request in self.disk_tier.take_ready():
+            for request in self.prefix_tier.take_ready():
                 self.scheduler.add(request)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self.structured.wait(_IDLE_COMPILE_WAIT_S)   # only grammars or disk reads in flight: no busy spin
             if self._num_held():
-                self.disk_tier.wait(_IDLE_COMPILE_WAIT_S)
+                self.prefix_tier.wait(_IDLE_COMPILE_WAIT_S)
             return self._outputs(deltas, None)
         drafts = DraftTally()
         try:
@@ -293,8 +293,8 @@ class EngineCore:
             logger.exception("step failed; failing its %d requests", len(plan.rows))
             deltas += self._fail(plan, f"internal error while running the model: {exc}")
             failed = True
-        if self.disk_tier is not None:
-            self.disk_tier.save_new_blocks()
+        if self.prefix_tier is not None:
+            self.prefix_tier.save_new_blocks()
         step = StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
@@ -311,7 +311,7 @@ class EngineCore:
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,
             accepted_per_position=tuple(drafts.accepted_per_position),
-            **tier_counts(self.disk_tier),
+            **tier_counts(self.prefix_tier),
         )
         self.stats.record(step)
         self.last_step = step

@@ -6,7 +6,7 @@ from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conveyor.runtime.kv.prefix_tier import DiskPrefixTier
+    from conveyor.runtime.kv.prefix_tier import PrefixTiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class HostTierCounts:
         return HostTierCounts(*sums, nbytes=other.nbytes)
 
 
-def tier_counts(tier: DiskPrefixTier | None) -> dict[str, DiskTierCounts | HostTierCounts | None]:
+def tier_counts(tier: PrefixTiers | None) -> dict[str, DiskTierCounts | HostTierCounts | None]:
     """The second tiers' counts since the last call, as StepStats fields."""
     if tier is None:
         return {}

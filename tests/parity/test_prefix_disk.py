@@ -83,7 +83,7 @@ def test_damaged_files_are_misses_with_the_same_tokens(reference, tmp_path: Path
     folder, prompt_ids, tokens = reference
     copy = copy_folder(folder, tmp_path / "kv")
     llm = engine(copy)
-    store = llm.engine.core.disk_tier.store
+    store = llm.engine.core.prefix_tier.store
     damaged = store.path_for(chain_hashes(prompt_ids)[3])
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0x10          # one bit of the KV: the checksum catches it
@@ -115,8 +115,8 @@ def test_two_engines_share_a_folder(reference, plain: LLM, tmp_path: Path) -> No
     other = prompt_ids[:40] + prompt_ids[::-1][:200]
     # Both compute the same new prompt and write its blocks at once; then each finds the other's.
     assert run(a, other) == run(b, other)
-    a.engine.core.disk_tier.store.flush(30)
-    b.engine.core.disk_tier.store.flush(30)
+    a.engine.core.prefix_tier.store.flush(30)
+    b.engine.core.prefix_tier.store.flush(30)
     assert run(b, prompt_ids) == tokens and b.engine.stats.disk.num_hit_tokens > 0
     stop(a)
     c = engine(shared)
@@ -130,7 +130,7 @@ def test_two_engines_share_a_folder(reference, plain: LLM, tmp_path: Path) -> No
 
 def slow_reads(llm: LLM, delay_s: float) -> None:
     """Every block read takes `delay_s` more: a slow disk (the files and the checks stay real)."""
-    store = llm.engine.core.disk_tier.store
+    store = llm.engine.core.prefix_tier.store
     read = store.read
 
     def slow(block_hash: bytes):  # noqa: ANN202
@@ -149,9 +149,9 @@ def test_a_slow_disk_never_holds_up_a_step(reference, tmp_path: Path, monkeypatc
     llm.engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="a")
     llm.engine.step()
     llm.engine.add_request(prompt_ids, GREEDY, request_id="b")
-    assert "b" in core.disk_tier.held
+    assert "b" in core.prefix_tier.held
     streamed = sum(len(o.new_token_ids) for o in llm.engine.step() if o.request_id == "a")
-    assert streamed == 1 and "b" in core.disk_tier.held   # a decoded while b's blocks were being read
+    assert streamed == 1 and "b" in core.prefix_tier.held   # a decoded while b's blocks were being read
     done: dict[str, list[int]] = {"a": [], "b": []}
     while llm.engine.has_unfinished_requests():
         for output in llm.engine.step():
@@ -169,9 +169,9 @@ def test_abort_while_reading(reference, tmp_path: Path) -> None:  # noqa: ANN001
     core = llm.engine.core
     slow_reads(llm, 0.02)
     llm.engine.add_request(prompt_ids, GREEDY, request_id="b")
-    assert "b" in core.disk_tier.held and llm.engine.has_unfinished_requests()
+    assert "b" in core.prefix_tier.held and llm.engine.has_unfinished_requests()
     assert llm.engine.abort_request("b")
-    assert not core.disk_tier.held and not llm.engine.has_unfinished_requests()
+    assert not core.prefix_tier.held and not llm.engine.has_unfinished_requests()
     assert run(llm, prompt_ids) == tokens
     assert core.blocks.num_used_blocks == 0
     stop(llm)
@@ -192,7 +192,7 @@ def test_prompts_sharing_a_prefix_read_it_once(reference, plain: LLM, tmp_path: 
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     stats, num_files = llm.engine.stats, len(prompt_ids) // 16
-    assert stats.disk.bytes_read <= num_files * llm.engine.core.disk_tier.store.block_nbytes * 1.01   # once
+    assert stats.disk.bytes_read <= num_files * llm.engine.core.prefix_tier.store.block_nbytes * 1.01   # once
     # The first prompt to use a block read back counts a disk hit, the others a memory hit.
     assert stats.disk.num_hit_tokens == num_files * 16 and stats.num_prefix_hit_tokens == 3 * num_files * 16
     stop(llm)

@@ -74,8 +74,8 @@ def full_tokens(ids: list[int]) -> int:
 
 def test_evicted_blocks_come_back_from_host_memory(device: str) -> None:
     llm = engine(device, host_blocks=64)
-    host = llm.engine.core.disk_tier.host
-    assert host.block_nbytes == BLOCK_NBYTES and llm.engine.core.disk_tier.store is None
+    host = llm.engine.core.prefix_tier.host
+    assert host.block_nbytes == BLOCK_NBYTES and llm.engine.core.prefix_tier.store is None
     a, b = prompt(llm, 1, 100), prompt(llm, 2, 170)
     cold = run(llm, [a])
     before = counts(llm.engine.stats)
@@ -100,7 +100,7 @@ def test_evicted_blocks_come_back_from_host_memory(device: str) -> None:
 
 def test_the_size_bound_drops_the_least_recently_used(device: str) -> None:
     llm = engine(device, host_blocks=8)
-    host = llm.engine.core.disk_tier.host
+    host = llm.engine.core.prefix_tier.host
     a, b = prompt(llm, 3, 100), prompt(llm, 4, 170)
     cold = run(llm, [a])
     b_out = run(llm, [b])[0]
@@ -115,7 +115,7 @@ def test_the_size_bound_drops_the_least_recently_used(device: str) -> None:
 
 def test_host_memory_in_front_of_the_disk(device: str, tmp_path: Path) -> None:
     llm = engine(device, host_blocks=64, prefix_cache_dir=str(tmp_path / "kv"))
-    tier = llm.engine.core.disk_tier
+    tier = llm.engine.core.prefix_tier
     a, b = prompt(llm, 5, 100), prompt(llm, 6, 170)
     run(llm, [a])
     warm = run(llm, [a])
@@ -179,7 +179,7 @@ def test_host_size_options() -> None:
         EngineConfig.from_options(prefix_cache_host_size="lots")
     with pytest.raises(ValueError, match="holds no block"):
         LLM(prefix_cache_host_size=1000)
-    assert LLM(num_kv_blocks=4).engine.core.disk_tier is None   # off by default
+    assert LLM(num_kv_blocks=4).engine.core.prefix_tier is None   # off by default
 
 
 def test_host_tier_copies_bytes_and_keeps_the_most_recently_used() -> None:

@@ -25,7 +25,7 @@ def test_restart_hits_the_disk_and_metrics_say_so(tiny_checkpoint: Path, tmp_pat
     first = start_server(tiny_checkpoint, prefix_cache_dir=folder)
     try:
         cold = complete(first.base_url, first.model_name)
-        assert first.engine.core.disk_tier.store.flush(30)   # writes are counted with the next step
+        assert first.engine.core.prefix_tier.store.flush(30)   # writes are counted with the next step
         again = complete(first.base_url, first.model_name)   # from memory
         values = metrics(first.base_url)
     finally:

@@ -26,7 +26,7 @@ def test_host_hits_and_bytes_in_metrics(tiny_checkpoint: Path) -> None:
         complete(client, server.model_name, OTHER)   # evicts the first prompt's blocks from the KV cache
         warm = complete(client, server.model_name, PROMPT)
         values = metrics(server.base_url)
-        host = server.engine.core.disk_tier.host
+        host = server.engine.core.prefix_tier.host
     finally:
         server.stop()
     assert warm == cold

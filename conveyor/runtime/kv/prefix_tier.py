@@ -1,4 +1,4 @@
-"""DiskPrefixTier: the prefix cache's second tiers behind the block manager: host memory
+"""PrefixTiers: the prefix cache's second tiers behind the block manager: host memory
 (host_tier.py, --prefix-cache-host-size) in front of a KVDiskStore (--prefix-cache-dir), either or both.
 
     after a step:  blocks hashed for the first time --copy--> host memory --> writer thread --> ROOT/.../<hash>.kv
@@ -57,7 +57,7 @@ class _Read:
     after: _Read | None = None        # an earlier read of the same chain: this one waits for it, reads nothing
 
 
-class DiskPrefixTier:
+class PrefixTiers:
     def __init__(self, store: KVDiskStore | None, blocks: BlockManager, kv_cache: KVCache,
                  clock: Callable[[], float] = time.monotonic, host: HostKVTier | None = None) -> None:
         self.store, self.blocks, self.kv_cache, self.clock, self.host = store, blocks, kv_cache, clock, host
@@ -224,7 +224,7 @@ class DiskPrefixTier:
 
 def build_prefix_tier(config: EngineConfig, model_path: Path, kv_cache: KVCache, blocks: BlockManager, *,
                       arch: ModelArch, dtype: torch.dtype, quantization: str,
-                      kernel_features: frozenset[str] | None, device: torch.device) -> DiskPrefixTier | None:
+                      kernel_features: frozenset[str] | None, device: torch.device) -> PrefixTiers | None:
     """The second tiers the config asks for: host memory (--prefix-cache-host-size), a folder
     (--prefix-cache-dir), both, or neither (None). ValueError for a folder that others could write (a
     planted block would be read as this model's KV)."""
@@ -239,7 +239,7 @@ def build_prefix_tier(config: EngineConfig, model_path: Path, kv_cache: KVCache,
     if host is not None:
         logger.info("prefix cache in host memory: up to %.1f GiB (%d blocks)", host_bytes / 2**30, host.max_blocks)
     if cache.prefix_cache_dir is None:
-        return DiskPrefixTier(None, blocks, kv_cache, host=host)
+        return PrefixTiers(None, blocks, kv_cache, host=host)
     root = Path(cache.prefix_cache_dir).expanduser()
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -255,4 +255,4 @@ def build_prefix_tier(config: EngineConfig, model_path: Path, kv_cache: KVCache,
         raise ValueError(f"prefix_cache_dir {root} must be a folder that only this user can write")
     logger.info("prefix cache on disk: %s (%s, up to %.1f GiB)", store.folder, fingerprint.hex()[:12],
                 cache.prefix_cache_disk_bytes / 2**30)
-    return DiskPrefixTier(store, blocks, kv_cache, host=host)
+    return PrefixTiers(store, blocks, kv_cache, host=host)
