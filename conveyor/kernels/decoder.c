@@ -96,6 +96,15 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     return status ? -1 : 0;
 }
 
+/* Layers [0, n) in turn, each as decoder_layer: a step's forward in one call from Python (a round trip per
+ * layer cost a small model's decode step more than its norms and RoPE together). */
+int decoder_layers(void *x, const layer_t *const *layers, int64_t n, const step_t *s, void *const *k_caches,
+                   void *const *v_caches, void *scratch) {
+    for (int64_t i = 0; i < n; i++)
+        if (decoder_layer(x, layers[i], s, k_caches[i], v_caches[i], scratch) != 0) return -1;
+    return 0;
+}
+
 /* sizeof(layer_t) (which 0) and sizeof(step_t) (1): Python builds them as decoder.LayerParams and
  * StepParams, and checks their sizes at load. */
 int64_t decoder_struct_bytes(int which) { return which ? (int64_t)sizeof(step_t) : (int64_t)sizeof(layer_t); }

@@ -1,5 +1,5 @@
-"""A whole decoder layer in one C call (decoder.c): the per-layer constants are set once, the per-step
-inputs once per forward, so a step costs one Python round trip per layer instead of one per operation."""
+"""Every decoder layer of a step in one C call (decoder.c): the per-layer constants are set once, the
+per-step inputs once per forward, so a step costs one Python round trip instead of one per operation."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class StepParams(ctypes.Structure):
 
 
 def declare(lib: ctypes.CDLL) -> None:
-    lib.decoder_layer.restype = ctypes.c_int
-    lib.decoder_layer.argtypes = [_P, ctypes.POINTER(LayerParams), ctypes.POINTER(StepParams), _P, _P, _P]
+    lib.decoder_layers.restype = ctypes.c_int
+    lib.decoder_layers.argtypes = [_P, _P, _I64, ctypes.POINTER(StepParams), _P, _P, _P]
     lib.decoder_struct_bytes.restype = _I64
     lib.decoder_struct_bytes.argtypes = [ctypes.c_int]
     for which, params in enumerate((LayerParams, StepParams)):
@@ -87,9 +87,16 @@ def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: to
                       KV_FORMATS[kv_dtype])
 
 
-def run_layer(lib: KernelLibrary, x: torch.Tensor, layer: LayerParams, step: StepParams, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
-    """x (T, hidden) contiguous, updated in place."""
-    if lib.lib.decoder_layer(x.data_ptr(), ctypes.byref(layer), ctypes.byref(step), k_cache.data_ptr(),
-                             v_cache.data_ptr(), scratch.data_ptr()) != 0:
-        raise ValueError("decoder_layer: a kernel refused its shapes")
+def layer_array(layers: list[LayerParams]) -> ctypes.Array:
+    """The layers' parameters as run_layers takes them (keep the LayerParams alive beside it)."""
+    return (ctypes.POINTER(LayerParams) * len(layers))(*(ctypes.pointer(layer) for layer in layers))
+
+
+def run_layers(lib: KernelLibrary, x: torch.Tensor, layers: ctypes.Array, step: StepParams,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor) -> None:
+    """Every layer of `layer_array` in one C call; x (T, hidden) contiguous, updated in place."""
+    k_caches = (_P * len(layers))(*(k.data_ptr() for k, _ in kv_caches))
+    v_caches = (_P * len(layers))(*(v.data_ptr() for _, v in kv_caches))
+    if lib.lib.decoder_layers(x.data_ptr(), layers, len(layers), ctypes.byref(step), k_caches, v_caches,
+                              scratch.data_ptr()) != 0:
+        raise ValueError("decoder_layers: a kernel refused its shapes")

@@ -159,6 +159,7 @@ class LlamaModel(nn.Module):
                                           else Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.kernels: KernelLibrary | None = None   # set by use_kernels: linears, norms, attention in C
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
+        self._layer_array: tuple[list, object] | None = None   # (the layers' fused params, their C array)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -198,15 +199,18 @@ class LlamaModel(nn.Module):
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       local: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Every layer as one C call, updating x in place; `local`: a second RoPE table (cos, sin)."""
+        """Every layer in one C call, updating x in place; `local`: a second RoPE table (cos, sin)."""
         num_tokens = x.shape[0]
         first = self.layers[0].fused
         scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
                                           kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local,
                                           kv_caches[0][0].dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            decoder_kernel.run_layer(self.kernels, x, layer.fused, step, k_cache, v_cache, scratch)
+        fused = [layer.fused for layer in self.layers]
+        cached = self._layer_array
+        if cached is None or len(cached[0]) != len(fused) or any(a is not b for a, b in zip(cached[0], fused)):
+            cached = self._layer_array = (fused, decoder_kernel.layer_array(fused))   # the params stay alive beside it
+        decoder_kernel.run_layers(self.kernels, x, cached[1], step, kv_caches, scratch)
 
     def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each
