@@ -17,19 +17,23 @@
 #define SET_ROWS 4   /* a set's float and integer sums, its block dots and the codes fill the registers */
 #define SPAN_K 512   /* k per span: what every set reads before the next span (Q4_K: 9 KiB), kept in L1 */
 
-/* si[r] += block j's share for rows [0, n) of x (channels 0-15, 16-31). The first set asks for the block's lines
- * `ahead` bytes on as the register path does. Q6_K and Q3_K fold each 16-k half into si as it ends instead of
- * keeping both halves' dots. */
+/* si[r] += block j's share for rows [0, n) of x (channels 0-15, 16-31). The first set asks for the lines `ahead`
+ * bytes on as the register path does. Q6_K and Q3_K fold each 16-k half into si as it ends instead of keeping
+ * both halves' dots. */
 KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j, const row_unit *x, v16i (*si)[2],
                     const int64_t ahead) {
     const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
-    if (ahead)
-        for (int64_t i = j ? (blk - unit) & ~63 : 0; i < blk - unit + body_bytes(fmt); i += 64)
-            __builtin_prefetch(unit + ahead + i, 0, 1);
+    if (ahead)   /* as the register path asks: the header's lines spread over the blocks */
+        for (int64_t l = j; l < header_bytes(fmt) / 64; l += unit_blocks(fmt))
+            __builtin_prefetch(unit + ahead + l * 64, 0, 1);
     v16i da[SET_ROWS][2];
     for (int r = 0; r < n; r++) da[r][0] = da[r][1] = vzero();
 #pragma GCC unroll 8   /* gcc's own limit leaves the five- and six-bit formats' loop rolled, their dots in memory */
     for (int g = 0; g < 8; g++) {
+        if (ahead) {   /* the block's lines (at most 16) spread over its groups: g and g + 8 */
+            if (g < body_bytes(fmt) / 64) __builtin_prefetch(blk + ahead + g * 64, 0, 1);
+            if (g + 8 < body_bytes(fmt) / 64) __builtin_prefetch(blk + ahead + (g + 8) * 64, 0, 1);
+        }
         v16i lo, hi;
         group_codes(fmt, blk, g, &lo, &hi);
         for (int r = 0; r < n; r++) {
@@ -131,7 +135,7 @@ KQV void panel_sets(const int fmt, const uint8_t *wp, const kacts_view *a, int64
 }
 
 /* One instance per format, as kquant_k.c's panels. Q4_K keeps the register path's two passes: one pass
- * measured 0.92-0.98 of them on the 7B shapes at M = 5..8 (its codes are the cheapest to decode twice). */
+ * measured 0.92-1.00 of them on the 7B shapes at M = 5..8 (its codes are the cheapest to decode twice). */
 #define SETS(F)                                                                                         \
     static __attribute__((noinline)) void sets_##F(const uint8_t *wp, const kacts_view *a, int64_t M, \
                                                    float (*acc)[NR], int64_t ahead) {                     \
