@@ -30,10 +30,9 @@ KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j
     for (int r = 0; r < n; r++) da[r][0] = da[r][1] = vzero();
 #pragma GCC unroll 8   /* gcc's own limit leaves the five- and six-bit formats' loop rolled, their dots in memory */
     for (int g = 0; g < 8; g++) {
-        if (ahead) {   /* the block's lines (at most 16) spread over its groups: g and g + 8 */
-            if (g < body_bytes(fmt) / 64) __builtin_prefetch(blk + ahead + g * 64, 0, 1);
-            if (g + 8 < body_bytes(fmt) / 64) __builtin_prefetch(blk + ahead + (g + 8) * 64, 0, 1);
-        }
+        if (ahead)   /* the block's lines in order, spread over its groups */
+            for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
+                __builtin_prefetch(blk + ahead + l * 64, 0, 1);
         v16i lo, hi;
         group_codes(fmt, blk, g, &lo, &hi);
         for (int r = 0; r < n; r++) {
