@@ -57,7 +57,7 @@ typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (a
     int64_t K;
 } kacts_view;
 
-/* Row `row`'s activations for unit u. */
+/* Row `row`'s activations for unit u (kquant_k.c spells it out: this call there changes its AVX2 code). */
 KQV row_unit unit_of_row(const int fmt, const kacts_view *a, int64_t u, int64_t row) {
     const int64_t K = a->K, uk = unit_k(fmt);
     return (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),

@@ -219,7 +219,12 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
 KQV void rows_of_unit(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a,
                       int64_t u, int64_t r0, v16f (*y)[2], float (*acc)[NR]) {
     row_unit x[ROWS];
-    for (int r = 0; r < mr; r++) x[r] = unit_of_row(fmt, a, u, r0 + r);
+    const int64_t K = a->K, uk = unit_k(fmt);
+    for (int r = 0; r < mr; r++) {
+        const int64_t row = r0 + r;
+        x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
+                          halves(fmt) ? a->o16 + row * (K / 16) + u * 16 : a->o16};
+    }
     unit_rows(fmt, mr, unit, decoded, x, y, acc);
 }
 
