@@ -20,7 +20,7 @@
  * A decode step has one row per request: with up to ROWS rows, each group of codes goes from the
  * panel to the dot products in registers and the rows' sums stay in registers from the panel's first
  * unit to its last, so the step is one pass over the weights at streaming speed (up to DIRECT_ROWS,
- * one pass per ROWS rows; on AVX-512 kquant_sets.c's single pass instead). With more rows a unit is
+ * one pass per ROWS rows; on AVX-512 kquant_sets.c's one pass but for Q4_K). With more rows a unit is
  * decoded once into L1 and each pass of ROWS rows reads it there.
  */
 #include <math.h>
