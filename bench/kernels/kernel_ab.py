@@ -4,7 +4,7 @@
 
 On a shared host the memory bandwidth swings by a third within minutes, more than most kernel changes
 are worth, so two builds timed minutes apart say little. Here kernel_ab.c links both: the baseline's
-kquant.c, kquant_k.c and quant.c (taken from git, their entry points renamed) beside the tree's, and
+matmul sources (those of SOURCES it has, taken from git, their entry points renamed) beside the tree's, and
 each round runs one decode step's matmuls over a set's layers with each in turn (the order flipping),
 then reads the same buffers with the stream kernel (the wall for those bytes). Reported: each build's
 GB/s, the stream's, and the median per-round speedup (tree over baseline) with its quartiles. The two
@@ -25,9 +25,11 @@ from conveyor.kernels.formats import FORMATS
 
 build = importlib.import_module("conveyor.kernels.build")   # the module (the package's `build` is its function)
 KERNELS = Path(build.__file__).parent
-BASELINE_SOURCES = ("kquant.c", "kquant_k.c", "quant.c")
-HEADERS = ("kernels.h", "kq_vec.h", "half.h", "pool.h")
-RENAMED = ("kq_linear", "kq_panel_k", "kq_quantize_row_k", "quant_activations", "kq_activations_k", "quant_panel_rows")
+# the matmul's sources and headers; a revision older than one of them lacks it
+SOURCES = ("kquant.c", "kquant_k.c", "kquant_sets.c", "quant.c")
+HEADERS = ("kernels.h", "kq_vec.h", "kq_codes.h", "half.h", "pool.h")
+RENAMED = ("kq_linear", "kq_panel_k", "kq_panel_sets", "kq_quantize_row_k", "quant_activations", "kq_activations_k",
+           "quant_panel_rows")
 # name -> (shapes as (format, N, K), layers): each set's weights are several times a last-level cache
 SETS: dict[str, tuple[list[tuple[str, int, int]], int]] = {
     "7b": ([("q4_k", 4608, 3584), ("q4_k", 3584, 3584), ("q4_k", 37888, 3584), ("q4_k", 3584, 18944)], 8),
@@ -46,19 +48,21 @@ def compile_ab(baseline: str, work: Path) -> Path:
     base.mkdir()
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=KERNELS, capture_output=True, text=True,
                           check=True).stdout.strip()
-    for name in BASELINE_SOURCES + HEADERS:
-        text = subprocess.run(["git", "show", f"{baseline}:conveyor/kernels/{name}"], cwd=root, capture_output=True,
-                              check=True).stdout
-        (base / name).write_bytes(text)
+    sources = []
+    for name in SOURCES + HEADERS:
+        shown = subprocess.run(["git", "show", f"{baseline}:conveyor/kernels/{name}"], cwd=root, capture_output=True)
+        if shown.returncode == 0:
+            (base / name).write_bytes(shown.stdout)
+            sources += [name] if name.endswith(".c") else []
     flags = [f for f in build.compile_flags(build.cpu_features()) if f not in ("-shared", "-fPIC")]
     objects = []
-    for name in BASELINE_SOURCES:
+    for name in sources:
         obj = work / f"base_{name}.o"
         subprocess.run(["gcc", *flags, *[f"-D{s}=base_{s}" for s in RENAMED], f"-I{base}", "-c", str(base / name),
                         "-o", str(obj)], check=True)
         objects.append(str(obj))
     exe = work / "kernel_ab"
-    tree = [str(KERNELS / n) for n in ("kquant.c", "kquant_k.c", "quant.c", "kquant_repack.c", "pool.c", "stream.c")]
+    tree = [str(KERNELS / n) for n in (*SOURCES, "kquant_repack.c", "pool.c", "stream.c")]
     subprocess.run(["gcc", *flags, f"-I{KERNELS}", str(Path(__file__).with_suffix(".c")), *tree, *objects, "-lm",
                     "-o", str(exe)], check=True)
     return exe

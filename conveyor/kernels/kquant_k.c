@@ -20,8 +20,8 @@
  * A decode step has one row per request: with up to ROWS rows, each group of codes goes from the
  * panel to the dot products in registers and the rows' sums stay in registers from the panel's first
  * unit to its last, so the step is one pass over the weights at streaming speed (up to DIRECT_ROWS,
- * one pass per ROWS rows). With more rows a unit is decoded once into L1 and each pass of ROWS rows
- * reads it there.
+ * one pass per ROWS rows; on AVX-512 kquant_sets.c's one pass but for Q4_K). With more rows a unit is
+ * decoded once into L1 and each pass of ROWS rows reads it there.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "kq_codes.h"
 #include "kq_vec.h"
 
 #if KN_ISA == KN_ISA_AVX512_VNNI
@@ -102,53 +103,11 @@ int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *
 
 /* ------------------------------------------------------------------ one unit, a few rows */
 
-/* IQ4's table with 128 added: unsigned codes for vpdpbusd, the 128 taken off with the activations' sums. */
-static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-
-/* Codes of group g (4 k) of a block for channels 0-15 (lo) and 16-31 (hi); see kernels.h's planes. */
-KQV void group_codes(const int fmt, const uint8_t *blk, const int g, v16i *lo, v16i *hi) {
-    if (fmt == FMT_Q3_K) {   /* 2 low bits, then bit 2 from a Q5-style plane */
-        const v16i v = vload(blk + low_line(fmt, g)), u = vload(blk + high_line(fmt, g));
-        const int t = g % 2, w = g % 4;
-        *lo = vor(vand8(vshift(v, -4 * t), 0x03), vand8(vshift(u, 2 - 2 * w), 0x04));
-        *hi = vor(vand8(vshift(v, -4 * t - 2), 0x03), vand8(vshift(u, 1 - 2 * w), 0x04));
-        return;
-    }
-    const v16i v = vload(blk + low_line(fmt, g));
-    *lo = vand8(v, 0x0f);
-    *hi = vand8(vshift(v, -4), 0x0f);
-    if (fmt == FMT_IQ4_NL || fmt == FMT_IQ4_XS) {
-        *lo = vlut(*lo, IQ4_CODES);
-        *hi = vlut(*hi, IQ4_CODES);
-    } else if (fmt == FMT_Q5_K || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {   /* bits 2t, 2t + 1 of plane byte g / 4 -> bit 4 */
-        const v16i u = vload(blk + high_line(fmt, g));
-        const int t = g % 4;
-        *lo = vor(*lo, vand8(vshift(u, 4 - 2 * t), 0x10));
-        *hi = vor(*hi, vand8(vshift(u, 3 - 2 * t), 0x10));
-    } else if (fmt == FMT_Q6_K) {   /* bits 4t..4t+1, 4t+2..4t+3 of plane byte g / 2 -> bits 4, 5 */
-        const v16i u = vload(blk + high_line(fmt, g));
-        const int t = g % 2;
-        *lo = vor(*lo, vand8(vshift(u, 4 - 4 * t), 0x30));
-        *hi = vor(*hi, vand8(vshift(u, 2 - 4 * t), 0x30));
-    }
-}
-
 /* sum += a b, fused, in a register or in memory */
 KQV void add_sum(v16f (*y)[2], float (*acc)[NR], int r, int h, v16f a, v16f b) {
     if (acc) vfstore(acc[r] + 16 * h, vfma(a, b, vfload(acc[r] + 16 * h)));
     else y[r][h] = vfma(a, b, y[r][h]);
 }
-
-typedef struct {
-    const int8_t *q;        /* this unit's codes */
-    float du;
-    const int32_t *bs32;    /* this unit's sums of 32 */
-    const int32_t *o16;     /* this unit's 16 values 32 * (sum of 16) (Q6_K) */
-} row_unit;
-
-static inline int unit_blocks(int fmt) { return unit_k(fmt) / QK; }
-/* Formats whose scales sit per 16-k half of a block (the dots of the halves kept apart). */
-static inline int halves(int fmt) { return fmt == FMT_Q6_K || fmt == FMT_Q3_K; }
 
 /* Row r's sums (channels 0-15, 16-31) += unit's contribution for rows r < mr: in registers y[r], or
  * where acc is given, in acc[r] (read at the end: loaded early they would take registers the unit needs).
@@ -257,13 +216,6 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     }
 }
 
-typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (and 32 x sums per 16) */
-    const int8_t *qx;
-    const float *du;
-    const int32_t *bs32, *o16;
-    int64_t K;
-} kacts_view;
-
 KQV void rows_of_unit(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a,
                       int64_t u, int64_t r0, v16f (*y)[2], float (*acc)[NR]) {
     row_unit x[ROWS];
@@ -333,7 +285,13 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     float acc[64][NR];
     memset(acc, 0, sizeof(float) * NR * (size_t)M);
     const kacts_view a = {qx, du, bs32, o16, K};
-    switch (fmt) {
+#if KQ_SETS
+    const int done = M > ROWS && M <= DIRECT_ROWS &&   /* one pass (kquant_sets.c) instead of two */
+                     !kq_panel_sets(fmt, wp, K, qx, du, bs32, o16, M, acc, PREFETCH_BYTES(fmt));
+#else
+    const int done = 0;
+#endif
+    if (!done) switch (fmt) {
         case FMT_Q5_0: panel_Q5_0(wp, &a, M, acc); break;
         case FMT_Q5_1: panel_Q5_1(wp, &a, M, acc); break;
         case FMT_IQ4_NL: panel_IQ4_NL(wp, &a, M, acc); break;

@@ -31,7 +31,8 @@ def _reference(library, x: torch.Tensor, raw: np.ndarray, fmt: str, bias: torch.
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k"])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (2, 33, 512), (7, 100, 256), (64, 64, 768), (3, 1, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (2, 33, 512), (7, 100, 256), (64, 64, 768), (3, 1, 256),
+                                   (5, 40, 768), (8, 65, 1280)])   # 5..8 rows: one pass, spans of 512 k and a part
 def test_kquant_gemm_matches_gguf_dequantization(variant: str, fmt: str, m: int, n: int, k: int) -> None:
     library = _library(variant)
     kk = k if fmt not in ("q5_0", "q5_1", "iq4_nl") else k - 32 * (m % 3)   # 32-k formats at other K too

@@ -31,7 +31,7 @@ pytestmark = [
                                                "nothing to compare the AVX2 build with"),
 ]
 FORMATS = ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "q3_k", "q8_0", "q4_0", "q4_1"]
-ROWS = [1, 2, 3, 5, 17, 64, 65]
+ROWS = [1, 2, 3, 5, 6, 7, 8, 9, 17, 64, 65]
 
 
 def _library(features: frozenset[str]) -> kernels.KernelLibrary:
@@ -87,13 +87,13 @@ def test_vnni_equals_avx2_bit_for_bit(build: str, fmt: str, n: int, k: int) -> N
 def test_vnni_equals_avx2_at_the_extremes(build: str, fmt: str) -> None:
     n, k = 35, 512
     raw = _extreme_blocks(fmt, n, k)
-    x = torch.full((5, k), 2.0)
+    x = torch.full((8, k), 2.0)
     x[1] = -2.0                                                          # every code times -127
     x[2, ::2] = -2.0
     x[3] = torch.randn(k, generator=torch.Generator().manual_seed(0))
     x[4, :32] = 0
     vnni, avx2 = _library(VNNI_BUILDS[build]), _library(AVX2)
-    for m in (1, 2, 5):
+    for m in (1, 2, 5, 8):
         assert torch.equal(_run(vnni, fmt, raw, n, k, x[:m], None), _run(avx2, fmt, raw, n, k, x[:m], None)), (fmt, m)
 
 
