@@ -56,7 +56,7 @@ BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fassociative-math", "-fno
 
 # AddressSanitizer and UBSan (any undefined behaviour stops the process), for tests and CI.
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-                  "-g")
+                  "-g", "-DKN_SANITIZE")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,15 @@
 
 #define KQV static inline __attribute__((always_inline))
 
+/* Before a loop over a block's 8 groups of codes: unrolled, g is a constant, so the prefetched lines and
+ * the planes' offsets fold (Q3_K in cache 18 -> 31 GB/s a core). Not in the portable build (its lane loops
+ * only grow: 5 minutes to compile with the sanitizers) nor the sanitizer build (the same C, rolled). */
+#if KN_ISA != KN_ISA_PORTABLE && !defined(KN_SANITIZE)
+#define KQ_UNROLL_GROUPS _Pragma("GCC unroll 8")
+#else
+#define KQ_UNROLL_GROUPS
+#endif
+
 static inline int32_t load_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 #if KN_ISA == KN_ISA_AVX512_VNNI

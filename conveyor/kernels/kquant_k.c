@@ -123,7 +123,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                 __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + l * 64, 0, 1);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
-#pragma GCC unroll 8   /* g a constant: the prefetch lines and the plane offsets fold (Q3_K in cache 18 -> 31 GB/s) */
+        KQ_UNROLL_GROUPS
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
             if (decoded) {
@@ -206,7 +206,7 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
     for (int64_t i = 0; i < unit_bytes(fmt); i += 64) __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + i, 0, 1);
     for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
-#pragma GCC unroll 8   /* as in unit_rows */
+        KQ_UNROLL_GROUPS
         for (int g = 0; g < 8; g++) {
             v16i lo, hi;
             group_codes(fmt, blk, g, &lo, &hi);

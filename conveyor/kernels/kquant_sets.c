@@ -28,7 +28,7 @@ KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j
             __builtin_prefetch(unit + ahead + l * 64, 0, 1);
     v16i da[SET_ROWS][2];
     for (int r = 0; r < n; r++) da[r][0] = da[r][1] = vzero();
-#pragma GCC unroll 8   /* gcc's own limit leaves the five- and six-bit formats' loop rolled, their dots in memory */
+    KQ_UNROLL_GROUPS   /* gcc's own limit leaves the five- and six-bit formats' loop rolled, their dots in memory */
     for (int g = 0; g < 8; g++) {
         if (ahead)   /* the block's lines in order, spread over its groups */
             for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
