@@ -96,8 +96,7 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     return status ? -1 : 0;
 }
 
-/* Layers [0, n) in turn, each as decoder_layer: a step's forward in one call from Python (a round trip per
- * layer cost a small model's decode step more than its norms and RoPE together). */
+/* Layers [0, n) in turn, each as decoder_layer: a step's layers in one call from Python, not one per layer. */
 int decoder_layers(void *x, const layer_t *const *layers, int64_t n, const step_t *s, void *const *k_caches,
                    void *const *v_caches, void *scratch) {
     for (int64_t i = 0; i < n; i++)

@@ -54,11 +54,17 @@ def test_greedy_batch_is_unchanged_and_guesses_are_taken(spec: LLM, prompts, ref
     outputs = spec.generate(prompts, GREEDY, use_tqdm=False)
     print(f"mismatches={mismatches(outputs, reference)}")
     assert_same_tokens(outputs, reference, "speculative batch")
-    stats = spec.engine.stats
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
     for o, r in zip(outputs, reference):   # one logprob per token, the same as without guesses
         assert [e.token_id for e in o.logprobs] == o.token_ids
         assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-4)
+    # Whether a batch of 12 guesses at all depends on the step costs the engine has measured (a guess must
+    # pay for itself, and on a loaded host a batch's may not): that guesses are taken and held is checked
+    # where one nearly always pays, the repeating prompts one at a time.
+    before = spec.engine.stats.num_accepted_tokens
+    for prompt, ref in zip(REPEATING, reference):
+        assert spec.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == ref.token_ids
+    stats = spec.engine.stats
+    assert stats.num_accepted_tokens > before and stats.num_draft_tokens >= stats.num_accepted_tokens
 
 
 def test_greedy_alone_is_unchanged(spec: LLM, prompts, reference) -> None:
