@@ -88,7 +88,7 @@ def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: to
 
 
 def layer_array(layers: list[LayerParams]) -> ctypes.Array:
-    """The layers' parameters as run_layers takes them (keep the LayerParams alive beside it)."""
+    """The layers' parameters as run_layers takes them (the LayerParams must outlive it)."""
     return (ctypes.POINTER(LayerParams) * len(layers))(*(ctypes.pointer(layer) for layer in layers))
 
 

@@ -159,7 +159,7 @@ class LlamaModel(nn.Module):
                                           else Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.kernels: KernelLibrary | None = None   # set by use_kernels: linears, norms, attention in C
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
-        self._layer_array: tuple[list, object] | None = None   # (the layers' fused params, their C array)
+        self._layer_array = None                      # the layers' fused params as one C array (use_kernels)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -206,11 +206,7 @@ class LlamaModel(nn.Module):
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
                                           kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local,
                                           kv_caches[0][0].dtype)
-        fused = [layer.fused for layer in self.layers]
-        cached = self._layer_array
-        if cached is None or len(cached[0]) != len(fused) or any(a is not b for a, b in zip(cached[0], fused)):
-            cached = self._layer_array = (fused, decoder_kernel.layer_array(fused))   # the params stay alive beside it
-        decoder_kernel.run_layers(self.kernels, x, cached[1], step, kv_caches, scratch)
+        decoder_kernel.run_layers(self.kernels, x, self._layer_array, step, kv_caches, scratch)
 
     def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each
@@ -229,6 +225,8 @@ class LlamaModel(nn.Module):
             self.lm_head = PackedLinear(lib, self.embed_tokens.weight, None)
         self.kernels = lib   # the runner plans for the C attention kernel
         self.fused_layers = fuse and all([layer.fuse() for layer in self.layers])
+        self._layer_array = (decoder_kernel.layer_array([layer.fused for layer in self.layers])
+                             if self.fused_layers else None)
         if fuse and not self.fused_layers:
             logger.info("decoder layers run op by op on the C kernels (the one-call layer does not cover "
                         "every layer's parts)")

@@ -191,14 +191,15 @@ class PrefixTiers:
         ready = None
         if self.host is not None:   # the disk writer reads host memory's copy (once `ready`): no second one
             copies, ready = self.host.copy_out(self.kv_cache.tensor, new)
+            if self.store is None:
+                return
+            copies = [(block_hash, block) for block_hash, block in copies if not self.store.has(block_hash)]
         else:
             tensor = self.kv_cache.tensor
             copies = [(block_hash, tensor[:, :, block_id].to("cpu", copy=True)) for block_hash, block_id in new
                       if not self.store.has(block_hash)]
-        if self.store is None:
-            return
-        for block_hash, block in copies:
-            if not self.store.has(block_hash) and not self.store.submit(block_hash, block, ready):
+        for block_hash, block in copies:   # each block's file looked up once (a stat on the step loop)
+            if not self.store.submit(block_hash, block, ready):
                 logger.debug("prefix cache: write queue full; a block stays in memory only")
 
     def take_counts(self) -> tuple[tuple[int, int, int, int] | None, tuple[int, int, int, int, int] | None]:
