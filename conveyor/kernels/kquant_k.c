@@ -40,17 +40,20 @@
 #ifndef DIRECT_ROWS
 #define DIRECT_ROWS (2 * ROWS)
 #endif
-/* How far ahead a block's lines are asked for, into L2 (locality 1): without it the hardware
- * prefetcher leaves a one-row step at half the stream rate. Measured on Zen 4, two threads, weights
- * streamed from memory, distances interleaved in one run, one row: Q4_K 21 GB/s 1 KiB ahead, 29 at
- * 4 KiB, 31 at 8 KiB, 30 at 12-16 KiB (7B shapes; 18 -> 27 at 896 x 4864); Q6_K and Q5_0 level from
- * 8 KiB on. A block's lines are asked for in order, one or two per group of codes, not all at the
- * block's start: a burst finds the miss queue full while the dot products run, and out of order they
- * train the hardware prefetcher worse (Q6_K +8 %, Q4_K +2 % in one run); into L1 (locality 3) the
- * lines cost a third. */
+/* How far ahead decode_unit asks for a unit's lines (M > DIRECT_ROWS, where the dot products bound the
+ * step). Up to DIRECT_ROWS rows read the panel straight from memory with no software prefetch: each unit's
+ * header and each block's lines touched first, in ascending order (touch_lines), let the hardware
+ * prefetcher stream ahead (Zen 4, one row, 7B shapes, two threads: Q4_K 1.3x, Q5_0 1.3x, Q3_K 1.1x, Q6_K
+ * 1.05x the 8 KiB software prefetch it replaces; with both, the rate of the prefetch alone). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES(fmt) 8192
 #endif
+
+/* A unit's reads in ascending order: its header, then (below) each block whose codes span two planes. */
+KQV void touch_unit_header(const int fmt, const uint8_t *unit) { touch_lines(unit, header_bytes(fmt)); }
+KQV void touch_block(const int fmt, const uint8_t *blk) {
+    if (high_bytes(fmt)) touch_lines(blk, body_bytes(fmt));
+}
 
 /* ------------------------------------------------------------------ activations */
 
@@ -116,11 +119,10 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                    v16f (*y)[2], float (*acc)[NR]) {
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
+    if (!decoded) touch_unit_header(fmt, unit);
     for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
-        if (!decoded)   /* the header's lines spread over the blocks, PREFETCH_BYTES ahead */
-            for (int64_t l = j; l < header_bytes(fmt) / 64; l += unit_blocks(fmt))
-                __builtin_prefetch(unit + PREFETCH_BYTES(fmt) + l * 64, 0, 1);
+        if (!decoded) touch_block(fmt, blk);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
         KQ_UNROLL_GROUPS
@@ -129,9 +131,7 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             if (decoded) {
                 lo = vload(decoded + (j * 8 + g) * 128);
                 hi = vload(decoded + (j * 8 + g) * 128 + 64);
-            } else {   /* the block's lines in order, spread over its groups */
-                for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
-                    __builtin_prefetch(blk + PREFETCH_BYTES(fmt) + l * 64, 0, 1);
+            } else {
                 group_codes(fmt, blk, g, &lo, &hi);
             }
             for (int r = 0; r < mr; r++) {
@@ -287,7 +287,7 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     const kacts_view a = {qx, du, bs32, o16, K};
 #if KQ_SETS
     const int done = M > ROWS && M <= DIRECT_ROWS &&   /* one pass (kquant_sets.c) instead of two */
-                     !kq_panel_sets(fmt, wp, K, qx, du, bs32, o16, M, acc, PREFETCH_BYTES(fmt));
+                     !kq_panel_sets(fmt, wp, K, qx, du, bs32, o16, M, acc);
 #else
     const int done = 0;
 #endif
