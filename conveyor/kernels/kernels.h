@@ -245,10 +245,10 @@ int kq_activations_k(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *
 void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const float *du, const int32_t *bs32,
                 const int32_t *o16, const float *bias, float *y, int64_t ldy, int64_t nc, int64_t M);
 /* kquant_sets.c (AVX-512 VNNI builds): acc (M <= 64, NR) += rows [0, M) of one panel of kq_panel_k's formats in one
- * pass; -1 for a format it leaves alone */
+ * pass, its lines asked for `ahead` bytes before they are read (0: not asked for); -1 for a format it leaves alone */
 #define KQ_SETS (KN_ISA == KN_ISA_AVX512_VNNI)
 int kq_panel_sets(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const float *du, const int32_t *bs32,
-                  const int32_t *o16, int64_t M, float (*acc)[NR]);
+                  const int32_t *o16, int64_t M, float (*acc)[NR], int64_t ahead);
 /* kquant_repack.c */
 int64_t kq_packed_bytes(int fmt, int64_t N, int64_t K);
 int kq_repack(int fmt, const uint8_t *raw, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,

@@ -40,20 +40,19 @@
 #ifndef DIRECT_ROWS
 #define DIRECT_ROWS (2 * ROWS)
 #endif
-/* How far ahead decode_unit asks for a unit's lines (M > DIRECT_ROWS, where the dot products bound the
- * step). Up to DIRECT_ROWS rows read the panel straight from memory with no software prefetch: each unit's
- * header and each block's lines touched first, in ascending order (touch_lines), let the hardware
- * prefetcher stream ahead (Zen 4, one row, 7B shapes, two threads: Q4_K 1.3x, Q5_0 1.3x, Q3_K 1.1x, Q6_K
- * 1.05x the 8 KiB software prefetch it replaces; with both, the rate of the prefetch alone). */
+/* How a pass over a panel from memory gets its lines ahead of the dot products. Up to TOUCH_ROWS rows
+ * (one or two streams decoding), with no software prefetch: each unit's header and each block's lines
+ * touched first, in ascending order (touch_lines), let the hardware prefetcher stream ahead on its own (Zen
+ * 4, 7B shapes, in process against the prefetch: one row Q4_K 1.26x, Q6_K 1.21x, Q5_0 + Q6_K 1.13x; two rows
+ * 1.12-1.17x; with both, the prefetch's rate). With more rows a line's dot products take longer and the
+ * hardware prefetcher no longer keeps ahead (M = 8: 0.62x): the block's lines are asked for PREFETCH_BYTES
+ * ahead, into L2 (locality 1), in order, one or two per group of codes (8 KiB: 4 KiB 0.81x, 16 KiB 0.96x). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES(fmt) 8192
 #endif
-
-/* A unit's reads in ascending order: its header, then (below) each block whose codes span two planes. */
-KQV void touch_unit_header(const int fmt, const uint8_t *unit) { touch_lines(unit, header_bytes(fmt)); }
-KQV void touch_block(const int fmt, const uint8_t *blk) {
-    if (high_bytes(fmt)) touch_lines(blk, body_bytes(fmt));
-}
+#ifndef TOUCH_ROWS
+#define TOUCH_ROWS 2
+#endif
 
 /* ------------------------------------------------------------------ activations */
 
@@ -116,13 +115,16 @@ KQV void add_sum(v16f (*y)[2], float (*acc)[NR], int r, int h, v16f a, v16f b) {
  * where acc is given, in acc[r] (read at the end: loaded early they would take registers the unit needs).
  * Codes come from the panel (decoded == NULL) or from decode_unit's copy. */
 KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const row_unit *x,
-                   v16f (*y)[2], float (*acc)[NR]) {
+                   v16f (*y)[2], float (*acc)[NR], const int64_t ahead) {
     v16i si[ROWS][2], sm[ROWS][2];
     for (int r = 0; r < mr; r++) si[r][0] = si[r][1] = sm[r][0] = sm[r][1] = vzero();
-    if (!decoded) touch_unit_header(fmt, unit);
+    if (!decoded && !ahead) touch_lines(unit, header_bytes(fmt));
     for (int j = 0; j < unit_blocks(fmt); j++) {
         const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
-        if (!decoded) touch_block(fmt, blk);
+        if (!decoded && !ahead && high_bytes(fmt)) touch_lines(blk, body_bytes(fmt));   /* two planes: in order */
+        if (!decoded && ahead)   /* the header's lines spread over the blocks */
+            for (int64_t l = j; l < header_bytes(fmt) / 64; l += unit_blocks(fmt))
+                __builtin_prefetch(unit + ahead + l * 64, 0, 1);
         v16i da[ROWS][2], db[ROWS][2];   /* Q6_K, Q3_K: the block's two 16-k halves apart */
         for (int r = 0; r < mr; r++) da[r][0] = da[r][1] = db[r][0] = db[r][1] = vzero();
         KQ_UNROLL_GROUPS
@@ -132,6 +134,9 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                 lo = vload(decoded + (j * 8 + g) * 128);
                 hi = vload(decoded + (j * 8 + g) * 128 + 64);
             } else {
+                if (ahead)   /* the block's lines in order, spread over its groups */
+                    for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
+                        __builtin_prefetch(blk + ahead + l * 64, 0, 1);
                 group_codes(fmt, blk, g, &lo, &hi);
             }
             for (int r = 0; r < mr; r++) {
@@ -217,7 +222,7 @@ KQV void decode_unit(const int fmt, const uint8_t *unit, uint8_t *out) {
 }
 
 KQV void rows_of_unit(const int fmt, const int mr, const uint8_t *unit, const uint8_t *decoded, const kacts_view *a,
-                      int64_t u, int64_t r0, v16f (*y)[2], float (*acc)[NR]) {
+                      int64_t u, int64_t r0, v16f (*y)[2], float (*acc)[NR], const int64_t ahead) {
     row_unit x[ROWS];
     const int64_t K = a->K, uk = unit_k(fmt);
     for (int r = 0; r < mr; r++) {
@@ -225,15 +230,17 @@ KQV void rows_of_unit(const int fmt, const int mr, const uint8_t *unit, const ui
         x[r] = (row_unit){a->qx + row * K + u * uk, a->du[row * (K / uk) + u], a->bs32 + row * (K / 32) + u * (uk / 32),
                           halves(fmt) ? a->o16 + row * (K / 16) + u * 16 : a->o16};
     }
-    unit_rows(fmt, mr, unit, decoded, x, y, acc);
+    unit_rows(fmt, mr, unit, decoded, x, y, acc, ahead);
 }
 
-/* Rows [r0, r0 + mr) of every unit read from the panel, their sums in registers from the first unit to the last. */
+/* Rows [r0, r0 + mr) of every unit read from the panel, their sums in registers from the first unit to the last;
+ * the lines asked for `ahead` bytes before they are read, or (0) touched in order (see PREFETCH_BYTES). */
 KQV void rows_in_registers(const int fmt, const int mr, const uint8_t *wp, const kacts_view *a, int64_t r0,
-                           float (*acc)[NR]) {
+                           float (*acc)[NR], const int64_t ahead) {
     v16f y[ROWS][2];
     for (int r = 0; r < mr; r++) y[r][0] = y[r][1] = vfset(0.f);
-    for (int64_t u = 0; u < a->K / unit_k(fmt); u++) rows_of_unit(fmt, mr, wp + u * unit_bytes(fmt), NULL, a, u, r0, y, NULL);
+    for (int64_t u = 0; u < a->K / unit_k(fmt); u++)
+        rows_of_unit(fmt, mr, wp + u * unit_bytes(fmt), NULL, a, u, r0, y, NULL, ahead);
     for (int r = 0; r < mr; r++) {
         vfstore(acc[r0 + r], y[r][0]);
         vfstore(acc[r0 + r] + 16, y[r][1]);
@@ -251,7 +258,7 @@ KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t 
     const int64_t units = a->K / unit_k(fmt);
     if (M <= DIRECT_ROWS) {   /* a pass over the panel per ROWS rows (from L1 or L2 after the first) */
         for (int64_t r = 0; r < M; r += ROWS) {
-#define IN_REGISTERS(n) rows_in_registers(fmt, n, wp, a, r, acc)
+#define IN_REGISTERS(n) rows_in_registers(fmt, n, wp, a, r, acc, M <= TOUCH_ROWS ? 0 : PREFETCH_BYTES(fmt))
             BY_ROWS((int)(M - r < ROWS ? M - r : ROWS), IN_REGISTERS)
 #undef IN_REGISTERS
         }
@@ -261,7 +268,7 @@ KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t 
     for (int64_t u = 0; u < units; u++) {
         decode_unit(fmt, wp + u * unit_bytes(fmt), decoded);
         for (int64_t r = 0; r < M; r += ROWS) {
-#define DECODED(n) rows_of_unit(fmt, n, wp + u * unit_bytes(fmt), decoded, a, u, r, NULL, acc + r)
+#define DECODED(n) rows_of_unit(fmt, n, wp + u * unit_bytes(fmt), decoded, a, u, r, NULL, acc + r, 0)
             BY_ROWS((int)(M - r < ROWS ? M - r : ROWS), DECODED)
 #undef DECODED
         }
@@ -287,7 +294,7 @@ void kq_panel_k(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const f
     const kacts_view a = {qx, du, bs32, o16, K};
 #if KQ_SETS
     const int done = M > ROWS && M <= DIRECT_ROWS &&   /* one pass (kquant_sets.c) instead of two */
-                     !kq_panel_sets(fmt, wp, K, qx, du, bs32, o16, M, acc);
+                     !kq_panel_sets(fmt, wp, K, qx, du, bs32, o16, M, acc, PREFETCH_BYTES(fmt));
 #else
     const int done = 0;
 #endif

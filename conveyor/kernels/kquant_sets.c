@@ -17,17 +17,22 @@
 #define SET_ROWS 4   /* a set's float and integer sums, its block dots and the codes fill the registers */
 #define SPAN_K 512   /* k per span: what every set reads before the next span (Q4_K: 9 KiB), kept in L1 */
 
-/* si[r] += block j's share for rows [0, n) of x (channels 0-15, 16-31). The first set, which reads the span
- * from memory, touches the block's lines in order first as the register path does (`first`). Q6_K and Q3_K
- * fold each 16-k half into si as it ends instead of keeping both halves' dots. */
+/* si[r] += block j's share for rows [0, n) of x (channels 0-15, 16-31). The first set asks for the lines `ahead`
+ * bytes on as the register path does. Q6_K and Q3_K fold each 16-k half into si as it ends instead of keeping
+ * both halves' dots. */
 KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j, const row_unit *x, v16i (*si)[2],
-                    const int first) {
+                    const int64_t ahead) {
     const uint8_t *blk = unit + header_bytes(fmt) + j * body_bytes(fmt);
-    if (first && high_bytes(fmt)) touch_lines(blk, body_bytes(fmt));
+    if (ahead)   /* as the register path asks: the header's lines spread over the blocks */
+        for (int64_t l = j; l < header_bytes(fmt) / 64; l += unit_blocks(fmt))
+            __builtin_prefetch(unit + ahead + l * 64, 0, 1);
     v16i da[SET_ROWS][2];
     for (int r = 0; r < n; r++) da[r][0] = da[r][1] = vzero();
     KQ_UNROLL_GROUPS   /* gcc's own limit leaves the five- and six-bit formats' loop rolled, their dots in memory */
     for (int g = 0; g < 8; g++) {
+        if (ahead)   /* the block's lines in order, spread over its groups */
+            for (int64_t l = g * (body_bytes(fmt) / 64) / 8; l < (g + 1) * (body_bytes(fmt) / 64) / 8; l++)
+                __builtin_prefetch(blk + ahead + l * 64, 0, 1);
         v16i lo, hi;
         group_codes(fmt, blk, g, &lo, &hi);
         for (int r = 0; r < n; r++) {
@@ -60,11 +65,10 @@ KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j
 }
 
 /* y[0..n) += rows x[0..n)'s share of one unit (n <= SET_ROWS). */
-KQV void unit_set(const int fmt, const int n, const uint8_t *unit, const row_unit *x, v16f (*y)[2], int first) {
+KQV void unit_set(const int fmt, const int n, const uint8_t *unit, const row_unit *x, v16f (*y)[2], int64_t ahead) {
     v16i si[SET_ROWS][2];
     for (int r = 0; r < n; r++) si[r][0] = si[r][1] = vzero();
-    if (first) touch_lines(unit, header_bytes(fmt));
-    for (int j = 0; j < unit_blocks(fmt); j++) block_rows(fmt, n, unit, j, x, si, first);
+    for (int j = 0; j < unit_blocks(fmt); j++) block_rows(fmt, n, unit, j, x, si, ahead);
     for (int h = 0; h < 2; h++) {
         const v16f d = vf16(unit + h * 32);
         if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {   /* the mins meet the sums of 32: sm = sum_j m_j bsum_j */
@@ -99,13 +103,13 @@ KQV void unit_set(const int fmt, const int n, const uint8_t *unit, const row_uni
 
 /* acc[r0..r0 + n) += their share of units [u0, u1), the sums in registers from the first unit to the last. */
 KQV void span_set(const int fmt, const int n, const uint8_t *wp, int64_t u0, int64_t u1, const kacts_view *a,
-                  int64_t r0, float (*acc)[NR], int first) {
+                  int64_t r0, float (*acc)[NR], int64_t ahead) {
     v16f y[SET_ROWS][2];
     for (int r = 0; r < n; r++) y[r][0] = vfload(acc[r0 + r]), y[r][1] = vfload(acc[r0 + r] + 16);
     for (int64_t u = u0; u < u1; u++) {
         row_unit x[SET_ROWS];
         for (int r = 0; r < n; r++) x[r] = unit_of_row(fmt, a, u, r0 + r);
-        unit_set(fmt, n, wp + u * unit_bytes(fmt), x, y, first);
+        unit_set(fmt, n, wp + u * unit_bytes(fmt), x, y, ahead);
     }
     for (int r = 0; r < n; r++) vfstore(acc[r0 + r], y[r][0]), vfstore(acc[r0 + r] + 16, y[r][1]);
 }
@@ -115,14 +119,14 @@ KQV void span_set(const int fmt, const int n, const uint8_t *wp, int64_t u0, int
     switch (n) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
 
 /* Rows [0, M) (M <= 64) in sets of SET_ROWS, the last one the rest, span by span. */
-KQV void panel_sets(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
+KQV void panel_sets(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR], int64_t ahead) {
     const int64_t sets = (M + SET_ROWS - 1) / SET_ROWS, units = a->K / unit_k(fmt), span = SPAN_K / unit_k(fmt);
     int64_t first[64 / SET_ROWS + 1];
     for (int64_t s = 0; s <= sets; s++) first[s] = s * SET_ROWS < M ? s * SET_ROWS : M;
     for (int64_t u0 = 0; u0 < units; u0 += span) {
         const int64_t u1 = u0 + span < units ? u0 + span : units;
         for (int64_t s = 0; s < sets; s++) {
-#define SET(n) span_set(fmt, n, wp, u0, u1, a, first[s], acc, s == 0)
+#define SET(n) span_set(fmt, n, wp, u0, u1, a, first[s], acc, s == 0 ? ahead : 0)
             BY_SET((int)(first[s + 1] - first[s]), SET)
 #undef SET
         }
@@ -133,23 +137,23 @@ KQV void panel_sets(const int fmt, const uint8_t *wp, const kacts_view *a, int64
  * measured 0.92-1.00 of them on the 7B shapes at M = 5..8 (its codes are the cheapest to decode twice). */
 #define SETS(F)                                                                                         \
     static __attribute__((noinline)) void sets_##F(const uint8_t *wp, const kacts_view *a, int64_t M, \
-                                                   float (*acc)[NR]) {                                    \
-        panel_sets(FMT_##F, wp, a, M, acc);                                                              \
+                                                   float (*acc)[NR], int64_t ahead) {                     \
+        panel_sets(FMT_##F, wp, a, M, acc, ahead);                                                       \
     }
 SETS(Q5_0) SETS(Q5_1) SETS(IQ4_NL) SETS(IQ4_XS) SETS(Q3_K) SETS(Q5_K) SETS(Q6_K)
 #undef SETS
 
 int kq_panel_sets(int fmt, const uint8_t *wp, int64_t K, const int8_t *qx, const float *du, const int32_t *bs32,
-                  const int32_t *o16, int64_t M, float (*acc)[NR]) {
+                  const int32_t *o16, int64_t M, float (*acc)[NR], int64_t ahead) {
     const kacts_view a = {qx, du, bs32, o16, K};
     switch (fmt) {
-        case FMT_Q5_0: sets_Q5_0(wp, &a, M, acc); return 0;
-        case FMT_Q5_1: sets_Q5_1(wp, &a, M, acc); return 0;
-        case FMT_IQ4_NL: sets_IQ4_NL(wp, &a, M, acc); return 0;
-        case FMT_IQ4_XS: sets_IQ4_XS(wp, &a, M, acc); return 0;
-        case FMT_Q3_K: sets_Q3_K(wp, &a, M, acc); return 0;
-        case FMT_Q5_K: sets_Q5_K(wp, &a, M, acc); return 0;
-        case FMT_Q6_K: sets_Q6_K(wp, &a, M, acc); return 0;
+        case FMT_Q5_0: sets_Q5_0(wp, &a, M, acc, ahead); return 0;
+        case FMT_Q5_1: sets_Q5_1(wp, &a, M, acc, ahead); return 0;
+        case FMT_IQ4_NL: sets_IQ4_NL(wp, &a, M, acc, ahead); return 0;
+        case FMT_IQ4_XS: sets_IQ4_XS(wp, &a, M, acc, ahead); return 0;
+        case FMT_Q3_K: sets_Q3_K(wp, &a, M, acc, ahead); return 0;
+        case FMT_Q5_K: sets_Q5_K(wp, &a, M, acc, ahead); return 0;
+        case FMT_Q6_K: sets_Q6_K(wp, &a, M, acc, ahead); return 0;
         default: return -1;
     }
 }
