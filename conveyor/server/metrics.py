@@ -238,10 +238,8 @@ class ServerMetrics:
                     if stats.num_draft_tokens else "")
 
     def _observe_step(self, step: StepStats) -> None:
-        stats = self.stats
         self.step_time.observe(step.step_time_s)
         self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
-        self._set_load(step.num_running, step.num_waiting, step.kv_usage)
         if step.num_preemptions:
             self.preemptions.inc(step.num_preemptions)
         if step.num_prefix_query_tokens:
@@ -264,9 +262,6 @@ class ServerMetrics:
             for position, count in enumerate(step.accepted_per_position):
                 if count:
                     self._accepted_per_pos.labels(self._model_name, str(position)).inc(count)
-        self.prefill_tps.set(stats.prefill_tokens_per_s)
-        self.decode_tps.set(stats.decode_tokens_per_s)
-        self.avg_rows.set(stats.avg_rows_per_step)
 
     def _observe_finished(self, output: TokenDelta) -> None:
         self._success.labels(self._model_name, output.finish_reason or "unknown").inc()
@@ -332,7 +327,12 @@ class ServerMetrics:
         self.kv_usage_old.set(kv_usage)
 
     def render(self) -> bytes:
+        # Gauges of the latest state are set here, when read, not at every step on the event loop.
         self.refresh_load()
+        stats = self.stats
+        self.prefill_tps.set(stats.prefill_tokens_per_s)
+        self.decode_tps.set(stats.decode_tokens_per_s)
+        self.avg_rows.set(stats.avg_rows_per_step)
         return generate_latest(self.registry)
 
 
