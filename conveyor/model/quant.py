@@ -87,8 +87,19 @@ class QuantEmbedding(nn.Module):
         traits = getattr(gguf.quants, "_type_traits", {}).get(tensor_type)
         self._dequantize_rows = (traits.dequantize_rows if traits is not None
                                  else lambda rows: gguf.quants.dequantize(rows, tensor_type))
+        self._lib: KernelLibrary | None = None   # set by use_kernels for the formats embed.c reads
+
+    def use_kernels(self, lib: KernelLibrary) -> None:
+        """Look rows up in C (one call, the same values) when the table's format is one embed.c reads."""
+        if self.tensor_type.name.lower() in quant.EMBED_FORMATS and self.embedding_dim % quant.QK == 0:
+            self._lib, self._address = lib, self._table.ctypes.data
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._lib is not None and input_ids.device.type == "cpu":
+            table = self._table
+            x = quant.embed_rows(self._lib, self.tensor_type.name.lower(), self._address, table.shape[0],
+                                 table.shape[1], input_ids, self.embedding_dim)
+            return x if self.dtype == torch.float32 else x.to(self.dtype)
         rows = self._table[input_ids.numpy() if input_ids.device.type == "cpu" else input_ids.cpu().numpy()]
         if self._is_q8_0:   # gguf's arithmetic in three numpy calls
             blocks = rows.reshape(-1, 34)
