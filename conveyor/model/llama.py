@@ -176,7 +176,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_caches)[logits_indices])
+        x = self.hidden_states(input_ids, positions, meta, kv_caches)
+        # One token sampled of one: its row is the only one (a one-row decode step skips the gather).
+        return self.compute_logits(x if x.shape[0] == 1 == logits_indices.shape[0] else x[logits_indices])
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
