@@ -37,7 +37,7 @@ from conveyor.server.metric_names import (  # noqa: F401  (METRIC_NAMES, MAX_TEN
 )
 
 
-_MAX_PENDING = 4096   # deferred observations held at most before they are applied
+_MAX_PENDING = 1024   # deferred observations held at most: a flush is a few ms of the loop, run warm
 
 
 class ServerMetrics:
