@@ -115,6 +115,7 @@ class ProcessCoreClient:
         self._on_death: DeathHandler | None = None
         self._outbox: queue.SimpleQueue[CoreCommand | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
+        self._poller: select.poll | None = None
         self._started_s = started
         self.info: CoreInfo | None = None
 
@@ -152,6 +153,9 @@ class ProcessCoreClient:
         # arrived (a batch snapshot) fails mid-recv with EAGAIN, and a full pipe fails a send: both
         # read as the core's death. Readiness is all the loop needs; the reads and writes block.
         os.set_blocking(self._conn.fileno(), True)
+        # One poll object: Connection.poll builds a selector at every call, and a message comes every step.
+        self._poller = select.poll()
+        self._poller.register(self._conn.fileno(), select.POLLIN)
         # Sends go through a thread: a full pipe (a core busy in a long step) must never block the loop.
         self._sender = threading.Thread(target=self._send_loop, name="conveyor-core-sender", daemon=True)
         self._sender.start()
@@ -188,7 +192,7 @@ class ProcessCoreClient:
 
     def _read(self) -> None:
         try:
-            while self._conn.poll():
+            while self._poller.poll(0):
                 outputs = self._conn.recv()
                 assert self._on_outputs is not None
                 self._on_outputs(outputs)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import astuple, dataclass, field, fields
+from operator import attrgetter
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from conveyor.runtime.kv.prefix_tier import PrefixTiers
+
+
+_T = TypeVar("_T")
+
+
+def pickled_by_fields(cls: type[_T]) -> type[_T]:
+    """Pickle a slotted dataclass as its constructor's arguments in order: by default its state goes as a
+    dict of slots, ~4x slower to write and ~7x to read, and every step sends one message of these."""
+    get = attrgetter(*(f.name for f in fields(cls)))
+    cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,7 @@ class DraftTally:
                 self.accepted_per_position[i] += 1
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class StepStats:
     num_prefill_tokens: int

@@ -92,11 +92,16 @@ def layer_array(layers: list[LayerParams]) -> ctypes.Array:
     return (ctypes.POINTER(LayerParams) * len(layers))(*(ctypes.pointer(layer) for layer in layers))
 
 
+def cache_pointers(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The layers' K and V caches as run_layers takes them (the tensors must outlive the arrays)."""
+    return ((_P * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches)),
+            (_P * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches)))
+
+
 def run_layers(lib: KernelLibrary, x: torch.Tensor, layers: ctypes.Array, step: StepParams,
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor) -> None:
-    """Every layer of `layer_array` in one C call; x (T, hidden) contiguous, updated in place."""
-    k_caches = (_P * len(layers))(*(k.data_ptr() for k, _ in kv_caches))
-    v_caches = (_P * len(layers))(*(v.data_ptr() for _, v in kv_caches))
-    if lib.lib.decoder_layers(x.data_ptr(), layers, len(layers), ctypes.byref(step), k_caches, v_caches,
+               caches: tuple[ctypes.Array, ctypes.Array], scratch: torch.Tensor) -> None:
+    """Every layer of `layer_array` in one C call; x (T, hidden) contiguous, updated in place; caches:
+    `cache_pointers` of the layers' KV caches."""
+    if lib.lib.decoder_layers(x.data_ptr(), layers, len(layers), ctypes.byref(step), caches[0], caches[1],
                               scratch.data_ptr()) != 0:
         raise ValueError("decoder_layers: a kernel refused its shapes")

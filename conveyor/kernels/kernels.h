@@ -285,6 +285,9 @@ void attn_i8_query(const float *x, int64_t D, int16_t *codes, float *d);
 void attn_i8_keys(const int8_t *codes, int64_t bs, int64_t n_keys, int64_t D, uint8_t *kt);
 void attn_i8_scores(const uint8_t *kt, int64_t D, const int16_t *qc, int64_t ldqc, const float *qd, int64_t ldqd,
                     int64_t A, const float *kscale, float *p);
+/* embed.c: token embedding rows from a table in the file's Q8_0 / Q4_0 / Q5_0 blocks */
+int kn_embed_rows(int fmt, const uint8_t *table, int64_t num_rows, int64_t row_bytes, const int64_t *ids,
+                  int64_t n, int64_t k, float *out);
 /* sampling.c, scan.c, stream.c, shm_reduce.c */
 void mask_logits(float *logits, int64_t stride, const int64_t *rows, int64_t n, const int32_t *masks,
                  int64_t words, int64_t vocab, int32_t *alive);

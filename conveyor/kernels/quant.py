@@ -74,6 +74,8 @@ def _lib(built: KernelLibrary) -> ctypes.CDLL:
         lib.kq_packed_bytes.restype = _I64
         lib.kq_packed_bytes.argtypes = [ctypes.c_int, _I64, _I64]
         lib.kn_linear_bytes.restype = _I64
+        lib.kn_embed_rows.restype = ctypes.c_int
+        lib.kn_embed_rows.argtypes = [ctypes.c_int, _P, _I64, _I64, _P, _I64, _I64, _P]
         if lib.kn_linear_bytes() != ctypes.sizeof(LinearSpec):
             raise RuntimeError("quant.LinearSpec does not match kernels.h's kq_linear_t")
         lib._quant_declared = True
@@ -272,3 +274,21 @@ def gemm(built: KernelLibrary, x: torch.Tensor, w: QuantWeight, bias: torch.Tens
     """x (..., K) float32 -> (..., N) float32 through one quantized weight."""
     bias = None if bias is None else bias.float().contiguous()
     return run_linear(built, x, linear_spec([w], bias), w.n, num_threads)
+
+
+EMBED_FORMATS = ("q8_0", "q4_0", "q5_0")   # embed.c's
+
+
+def embed_rows(built: KernelLibrary, fmt: str, table: int, num_rows: int, row_bytes: int, ids: torch.Tensor,
+               k: int) -> torch.Tensor:
+    """Rows `ids` (T,) int64 of a (num_rows, k) token table at address `table` in the file's blocks of `fmt`
+    (one of EMBED_FORMATS) -> (T, k) float32."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], k)
+    status = _lib(built).kn_embed_rows(FORMATS[fmt], table, num_rows, row_bytes, ids.data_ptr(), ids.shape[0], k,
+                                       out.data_ptr())
+    if status == -3:
+        raise IndexError(f"a token id is outside the embedding table of {num_rows} rows")
+    if status != 0:
+        raise ValueError(f"embedding lookup refused ({status}): format {fmt}, K = {k}, {row_bytes} bytes a row")
+    return out

@@ -86,9 +86,27 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # A plain attribute, not a buffer: building on the meta device and `to_empty` must not wipe it.
         self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, theta, scaling, freq_factors)
+        # On the CPU, cos_sin's rows for positions 0..len-1, grown as positions come: a decode step looks
+        # its row up instead of running the chain of small ops below (~0.15 ms of a step, cold caches).
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, (T, D) float32 each, for `apply_rotary` and the rope kernel."""
+        if positions.device.type != "cpu" or self.inv_freq.device.type != "cpu":
+            return self.compute(positions)
+        if self._tables is not None:
+            try:
+                return self._tables[0].index_select(0, positions), self._tables[1].index_select(0, positions)
+            except IndexError:   # a position past the tables: grow them
+                pass
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        length = max(1024, 1 << (needed - 1).bit_length())
+        # Elementwise ops, so a row is the same bits whichever batch computes it (tests/unit/test_rope_table.py).
+        self._tables = self.compute(torch.arange(length))
+        return self._tables[0].index_select(0, positions), self._tables[1].index_select(0, positions)
+
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin's tables computed for these positions."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # (T, D/2)
         cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: the sign moves into the table.

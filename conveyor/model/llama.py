@@ -160,6 +160,7 @@ class LlamaModel(nn.Module):
         self.kernels: KernelLibrary | None = None   # set by use_kernels: linears, norms, attention in C
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         self._layer_array = None                      # the layers' fused params as one C array (use_kernels)
+        self._cache_pointers: tuple[list, tuple] | None = None   # (the KV cache list, its C pointer arrays)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -175,7 +176,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_caches)[logits_indices])
+        x = self.hidden_states(input_ids, positions, meta, kv_caches)
+        # One token sampled of one: its row is the only one (a one-row decode step skips the gather).
+        return self.compute_logits(x if x.shape[0] == 1 == logits_indices.shape[0] else x[logits_indices])
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -206,7 +209,10 @@ class LlamaModel(nn.Module):
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
                                           kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local,
                                           kv_caches[0][0].dtype)
-        decoder_kernel.run_layers(self.kernels, x, self._layer_array, step, kv_caches, scratch)
+        if self._cache_pointers is None or self._cache_pointers[0] is not kv_caches:
+            # The runner passes the same list of cache tensors every step: their pointers are read once.
+            self._cache_pointers = (kv_caches, decoder_kernel.cache_pointers(kv_caches))
+        decoder_kernel.run_layers(self.kernels, x, self._layer_array, step, self._cache_pointers[1], scratch)
 
     def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each

@@ -76,18 +76,36 @@ class QuantEmbedding(nn.Module):
     def __init__(self, raw: np.ndarray, tensor_type, num_embeddings: int, embedding_dim: int,  # noqa: ANN001
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.raw, self.tensor_type, self.dtype = raw, tensor_type, dtype
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         import gguf
 
-        rows = self.raw.view(np.ndarray)[input_ids.cpu().numpy()]                # (T, bytes per row)
-        if self.tensor_type == gguf.GGMLQuantizationType.Q8_0:   # gguf's arithmetic without its per-call overhead
+        self.raw, self.tensor_type, self.dtype = raw, tensor_type, dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self._table = raw.view(np.ndarray)
+        self._is_q8_0 = tensor_type == gguf.GGMLQuantizationType.Q8_0
+        # The format's own rows -> float32, without gguf.quants.dequantize's per-call splitting and checks
+        # (most of a decode step's lookup); gguf's public entry point where that class is not found.
+        traits = getattr(gguf.quants, "_type_traits", {}).get(tensor_type)
+        self._dequantize_rows = (traits.dequantize_rows if traits is not None
+                                 else lambda rows: gguf.quants.dequantize(rows, tensor_type))
+        self._lib: KernelLibrary | None = None   # set by use_kernels for the formats embed.c reads
+
+    def use_kernels(self, lib: KernelLibrary) -> None:
+        """Look rows up in C (one call, the same values) when the table's format is one embed.c reads."""
+        if self.tensor_type.name.lower() in quant.EMBED_FORMATS and self.embedding_dim % quant.QK == 0:
+            self._lib, self._address = lib, self._table.ctypes.data
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._lib is not None and input_ids.device.type == "cpu":
+            table = self._table
+            x = quant.embed_rows(self._lib, self.tensor_type.name.lower(), self._address, table.shape[0],
+                                 table.shape[1], input_ids, self.embedding_dim)
+            return x if self.dtype == torch.float32 else x.to(self.dtype)
+        rows = self._table[input_ids.numpy() if input_ids.device.type == "cpu" else input_ids.cpu().numpy()]
+        if self._is_q8_0:   # gguf's arithmetic in three numpy calls
             blocks = rows.reshape(-1, 34)
             x = blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
         else:
-            x = np.asarray(gguf.quants.dequantize(rows, self.tensor_type), dtype=np.float32)
+            x = np.asarray(self._dequantize_rows(rows), dtype=np.float32)
         return torch.from_numpy(x.reshape(-1, self.embedding_dim)).to(self.dtype)
 
     def extra_repr(self) -> str:

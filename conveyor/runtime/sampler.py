@@ -117,6 +117,8 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.to(device=self.device, dtype=torch.float32)                       # (S, V)
+        if all(_argmax_only(row) for row in rows):   # every stage below would pass these rows through
+            return SamplerOutput(token_ids=_argmax_rows(logits).tolist(), logprobs=[None] * len(rows))
         logits = _apply_logit_bias(apply_penalties(logits, rows), rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Reported logprobs are the model's distribution after penalties, before min_tokens and temperature.
@@ -162,6 +164,14 @@ class Sampler:
 
     def _index(self, positions: list[int]) -> torch.Tensor:
         return torch.tensor(positions, dtype=torch.long, device=self.device)
+
+
+def _argmax_only(row: SamplingRow) -> bool:
+    """A greedy row that no penalty, bias, filter, mask or min_tokens changes, and that wants no logprobs."""
+    params = row.params
+    return (params.temperature < MIN_TEMPERATURE and params.logprobs is None and not params.logit_bias
+            and row.allowed_tokens is None and params.allowed_token_ids is None and not params.bad_words_token_ids
+            and len(row.output_token_ids) >= params.min_tokens and not uses_penalties(params))
 
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:

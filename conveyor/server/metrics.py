@@ -37,6 +37,9 @@ from conveyor.server.metric_names import (  # noqa: F401  (METRIC_NAMES, MAX_TEN
 )
 
 
+_MAX_PENDING = 1024   # deferred observations held at most: a flush is a few ms of the loop, run warm
+
+
 class ServerMetrics:
     """Collectors for one engine, labelled with the served model name as vLLM labels them.
 
@@ -54,6 +57,9 @@ class ServerMetrics:
         self.stats = EngineStats()
         self.registry = CollectorRegistry()
         self._last_token_s: dict[str, float] = {}   # request_id -> when its last token came out
+        # The per-step and per-token observations, applied when /metrics is read (or past _MAX_PENDING):
+        # an append on the event loop instead of a locked histogram update for each.
+        self._pending: list[tuple[Histogram, float]] = []
         r = self.registry
         labels = ["model_name"]
 
@@ -203,8 +209,8 @@ class ServerMetrics:
                 num_generated += len(delta.new_token_ids)
                 last_s = self._last_token_s.get(request_id)
                 if last_s is not None:
-                    self.itl.observe(now - last_s)
-                    self.tpot.observe(now - last_s)
+                    self._defer(self.itl, now - last_s)
+                    self._defer(self.tpot, now - last_s)
                 self._last_token_s[request_id] = now
             if delta.finished:
                 self._last_token_s.pop(request_id, None)
@@ -238,10 +244,8 @@ class ServerMetrics:
                     if stats.num_draft_tokens else "")
 
     def _observe_step(self, step: StepStats) -> None:
-        stats = self.stats
-        self.step_time.observe(step.step_time_s)
-        self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
-        self._set_load(step.num_running, step.num_waiting, step.kv_usage)
+        self._defer(self.step_time, step.step_time_s)
+        self._defer(self.iteration_tokens, step.num_prefill_tokens + step.num_decode_tokens)
         if step.num_preemptions:
             self.preemptions.inc(step.num_preemptions)
         if step.num_prefix_query_tokens:
@@ -264,9 +268,6 @@ class ServerMetrics:
             for position, count in enumerate(step.accepted_per_position):
                 if count:
                     self._accepted_per_pos.labels(self._model_name, str(position)).inc(count)
-        self.prefill_tps.set(stats.prefill_tokens_per_s)
-        self.decode_tps.set(stats.decode_tokens_per_s)
-        self.avg_rows.set(stats.avg_rows_per_step)
 
     def _observe_finished(self, output: TokenDelta) -> None:
         self._success.labels(self._model_name, output.finish_reason or "unknown").inc()
@@ -331,8 +332,24 @@ class ServerMetrics:
         self.kv_usage.set(kv_usage)
         self.kv_usage_old.set(kv_usage)
 
+    def _defer(self, histogram: Histogram, value: float) -> None:
+        self._pending.append((histogram, value))
+        if len(self._pending) >= _MAX_PENDING:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for histogram, value in pending:
+            histogram.observe(value)
+
     def render(self) -> bytes:
+        # Gauges of the latest state are set here, when read, not at every step on the event loop.
+        self._apply_pending()
         self.refresh_load()
+        stats = self.stats
+        self.prefill_tps.set(stats.prefill_tokens_per_s)
+        self.decode_tps.set(stats.decode_tokens_per_s)
+        self.avg_rows.set(stats.avg_rows_per_step)
         return generate_latest(self.registry)
 
 

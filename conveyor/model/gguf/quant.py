@@ -124,6 +124,8 @@ def materialize(model: nn.Module, plan: KeepPlan, lib: KernelLibrary) -> None:
             continue
         parent, name = module_parent(model, module_path)
         setattr(parent, name, QuantLinear(lib, weights, getattr(parent, name).bias))
+    if isinstance(model.embed_tokens, QuantEmbedding):
+        model.embed_tokens.use_kernels(lib)
     kept = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(counts.items()) if fmt in quant.FORMATS)
     requantized = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items()) if t not in quant.FORMATS)
     # What the weights are, for the live view (each linear's format as it runs, requantized ones as q8_0).
