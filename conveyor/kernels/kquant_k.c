@@ -53,6 +53,13 @@
 #ifndef TOUCH_ROWS
 #define TOUCH_ROWS 2
 #endif
+/* The touched passes as instances of their own where speed counts; in the portable and sanitizer builds one
+ * instance chooses at run time (their compile time, as KQ_UNROLL_GROUPS's). */
+#if KN_ISA != KN_ISA_PORTABLE && !defined(KN_SANITIZE)
+#define KQ_TOUCH_INSTANCES 1
+#else
+#define KQ_TOUCH_INSTANCES 0
+#endif
 
 /* ------------------------------------------------------------------ activations */
 
@@ -256,7 +263,7 @@ KQV void rows_in_registers(const int fmt, const int mr, const uint8_t *wp, const
 
 KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t M, float (*acc)[NR]) {
     const int64_t units = a->K / unit_k(fmt);
-    if (M <= TOUCH_ROWS) {   /* the lines touched in order (a constant here: no test in the loops) */
+    if (KQ_TOUCH_INSTANCES && M <= TOUCH_ROWS) {   /* the lines touched in order: no test in the loops */
         for (int64_t r = 0; r < M; r += ROWS) {
             if (ROWS >= 2 && M - r >= 2) rows_in_registers(fmt, ROWS >= 2 ? 2 : 1, wp, a, r, acc, 0);
             else rows_in_registers(fmt, 1, wp, a, r, acc, 0);
@@ -264,8 +271,9 @@ KQV void panel_k(const int fmt, const uint8_t *wp, const kacts_view *a, int64_t 
         return;
     }
     if (M <= DIRECT_ROWS) {   /* a pass over the panel per ROWS rows (from L1 or L2 after the first) */
+        const int64_t ahead = KQ_TOUCH_INSTANCES || M > TOUCH_ROWS ? PREFETCH_BYTES(fmt) : 0;
         for (int64_t r = 0; r < M; r += ROWS) {
-#define IN_REGISTERS(n) rows_in_registers(fmt, n, wp, a, r, acc, PREFETCH_BYTES(fmt))
+#define IN_REGISTERS(n) rows_in_registers(fmt, n, wp, a, r, acc, ahead)
             BY_ROWS((int)(M - r < ROWS ? M - r : ROWS), IN_REGISTERS)
 #undef IN_REGISTERS
         }
