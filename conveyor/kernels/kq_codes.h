@@ -41,9 +41,10 @@ KQV void group_codes(const int fmt, const uint8_t *blk, const int g, v16i *lo, v
 
 /* Reads lines [p, p + bytes) in ascending order, their values unused. A unit's header (scales) is read
  * after its blocks' codes and a block's high plane beside its low one; in that order the hardware
- * prefetcher falls behind (one core, Q4_K from memory: 11 GB/s without software prefetch, 22 with it),
- * and touched first, in order, it runs ahead on its own (28-30 GB/s, the stream read's rate, with no
- * software prefetch, which would only compete with it). */
+ * prefetcher falls behind (one core, one row, Q4_K from memory: 11 GB/s without software prefetch, 22
+ * with it), and touched first, in order, it runs ahead on its own (28-30 GB/s, the stream read's rate;
+ * a software prefetch as well only competes with it). Where a line's dot products take longer (more
+ * rows) it no longer keeps ahead: kquant_k.c's TOUCH_ROWS. */
 KQV void touch_lines(const uint8_t *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) (void)((const volatile uint8_t *)p)[i];
 }
