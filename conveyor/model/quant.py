@@ -81,7 +81,6 @@ class QuantEmbedding(nn.Module):
         self.raw, self.tensor_type, self.dtype = raw, tensor_type, dtype
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self._table = raw.view(np.ndarray)
-        self._is_q8_0 = tensor_type == gguf.GGMLQuantizationType.Q8_0
         # The format's own rows -> float32, without gguf.quants.dequantize's per-call splitting and checks
         # (most of a decode step's lookup); gguf's public entry point where that class is not found.
         traits = getattr(gguf.quants, "_type_traits", {}).get(tensor_type)
@@ -101,11 +100,7 @@ class QuantEmbedding(nn.Module):
                                  table.shape[1], input_ids, self.embedding_dim)
             return x if self.dtype == torch.float32 else x.to(self.dtype)
         rows = self._table[input_ids.numpy() if input_ids.device.type == "cpu" else input_ids.cpu().numpy()]
-        if self._is_q8_0:   # gguf's arithmetic in three numpy calls
-            blocks = rows.reshape(-1, 34)
-            x = blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
-        else:
-            x = np.asarray(self._dequantize_rows(rows), dtype=np.float32)
+        x = np.asarray(self._dequantize_rows(rows), dtype=np.float32)
         return torch.from_numpy(x.reshape(-1, self.embedding_dim)).to(self.dtype)
 
     def extra_repr(self) -> str:
