@@ -67,6 +67,22 @@ typedef struct {   /* row r's: codes at qx + r K, scale per unit, sums per 32 (a
     int64_t K;
 } kacts_view;
 
+/* si[r][h] (r < n) += block j's dots da[r][h] weighed by the block's scale and offset, for the formats
+ * whose block is one 32-k scale (Q6_K and Q3_K weigh each 16-k half: their callers' own). */
+KQV void weigh_block(const int fmt, const int n, const uint8_t *unit, const int j, const int h, const row_unit *x,
+                     v16i (*da)[2], v16i (*si)[2]) {
+    if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_IQ4_NL) {   /* one block: its zero point */
+        const int32_t zero = fmt == FMT_Q5_0 ? 16 : fmt == FMT_IQ4_NL ? 128 : 0;
+        for (int r = 0; r < n; r++) si[r][h] = vsub(da[r][h], vset(zero * x[r].bs32[0]));
+    } else if (fmt == FMT_IQ4_XS) {
+        const v16i sc = vi8(unit + 64 + j * 32 + h * 16);
+        for (int r = 0; r < n; r++) si[r][h] = vadd(si[r][h], vmul(sc, vsub(da[r][h], vset(128 * x[r].bs32[j]))));
+    } else {   /* Q4_K, Q5_K: the scale is S's low 6 bits; the mins meet the sums once a unit */
+        const v16i sc = vand8(vu8(unit + 128 + j * 32 + h * 16), 63);
+        for (int r = 0; r < n; r++) si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
+    }
+}
+
 /* Row `row`'s activations for unit u (kquant_k.c spells it out: this call there changes its AVX2 code). */
 KQV row_unit unit_of_row(const int fmt, const kacts_view *a, int64_t u, int64_t row) {
     const int64_t K = a->K, uk = unit_k(fmt);

@@ -161,13 +161,9 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
             }
         }
         for (int h = 0; h < 2; h++) {
-            if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_IQ4_NL) {   /* one block: its zero point */
-                const int32_t zero = fmt == FMT_Q5_0 ? 16 : fmt == FMT_IQ4_NL ? 128 : 0;
-                for (int r = 0; r < mr; r++) si[r][h] = vsub(da[r][h], vset(zero * x[r].bs32[0]));
-            } else if (fmt == FMT_IQ4_XS) {
-                const v16i sc = vi8(unit + 64 + j * 32 + h * 16);
-                for (int r = 0; r < mr; r++) si[r][h] = vadd(si[r][h], vmul(sc, vsub(da[r][h], vset(128 * x[r].bs32[j]))));
-            } else if (halves(fmt)) {   /* offsets 32 (Q6_K), 4 (Q3_K) times each half's sum */
+            if (!halves(fmt)) {
+                weigh_block(fmt, mr, unit, j, h, x, da, si);
+            } else {   /* offsets 32 (Q6_K), 4 (Q3_K) times each half's sum */
                 const v16i sa = vi8(unit + 64 + (2 * j) * 32 + h * 16), sb = vi8(unit + 64 + (2 * j + 1) * 32 + h * 16);
                 const int sh = fmt == FMT_Q3_K ? 3 : 0;
                 for (int r = 0; r < mr; r++) {
@@ -175,9 +171,6 @@ KQV void unit_rows(const int fmt, const int mr, const uint8_t *unit, const uint8
                     const v16i b = vsub(db[r][h], vset(x[r].o16[2 * j + 1] >> sh));
                     si[r][h] = vadd(si[r][h], vadd(vmul(sa, a), vmul(sb, b)));
                 }
-            } else {   /* Q4_K, Q5_K: the scale is S's low 6 bits; the mins meet the sums once a unit, below */
-                const v16i sc = vand8(vu8(unit + 128 + j * 32 + h * 16), 63);
-                for (int r = 0; r < mr; r++) si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
             }
         }
     }

@@ -50,18 +50,8 @@ KQV void block_rows(const int fmt, const int n, const uint8_t *unit, const int j
                 }
             }
     }
-    for (int h = 0; h < 2; h++) {
-        if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_IQ4_NL) {   /* one block: its zero point */
-            const int32_t zero = fmt == FMT_Q5_0 ? 16 : fmt == FMT_IQ4_NL ? 128 : 0;
-            for (int r = 0; r < n; r++) si[r][h] = vsub(da[r][h], vset(zero * x[r].bs32[0]));
-        } else if (fmt == FMT_IQ4_XS) {
-            const v16i sc = vi8(unit + 64 + j * 32 + h * 16);
-            for (int r = 0; r < n; r++) si[r][h] = vadd(si[r][h], vmul(sc, vsub(da[r][h], vset(128 * x[r].bs32[j]))));
-        } else if (!halves(fmt)) {   /* Q4_K, Q5_K: the scale is S's low 6 bits */
-            const v16i sc = vand8(vu8(unit + 128 + j * 32 + h * 16), 63);
-            for (int r = 0; r < n; r++) si[r][h] = vadd(si[r][h], vmul(sc, da[r][h]));
-        }
-    }
+    if (!halves(fmt))   /* Q6_K, Q3_K folded their halves above */
+        for (int h = 0; h < 2; h++) weigh_block(fmt, n, unit, j, h, x, da, si);
 }
 
 /* y[0..n) += rows x[0..n)'s share of one unit (n <= SET_ROWS). */
