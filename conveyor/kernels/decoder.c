@@ -104,6 +104,37 @@ int decoder_layers(void *x, const layer_t *const *layers, int64_t n, const step_
     return 0;
 }
 
-/* sizeof(layer_t) (which 0) and sizeof(step_t) (1): Python builds them as decoder.LayerParams and
- * StepParams, and checks their sizes at load. */
-int64_t decoder_struct_bytes(int which) { return which ? (int64_t)sizeof(step_t) : (int64_t)sizeof(layer_t); }
+/* The model's head: the final RMSNorm and the output layer (format as layer_t's: -1 packed floats, else
+ * a kquant.c linear layer carrying its own biases). */
+typedef struct {
+    const void *norm, *weight, *bias;
+    int64_t format, hidden, vocab;
+    float eps;
+} head_t;
+
+/* Every layer, then the head over the step's rows to score (rows[i] of x): logits [n_rows, vocab] in the
+ * activations' dtype (float32 for a quantized head). The kernels a call of each from Python runs, with the
+ * same rows and threads: the same bits, without the round trip through Python between them, which after
+ * a step's weights have streamed through the caches costs as much as a small matmul. */
+int decoder_step(void *x, const layer_t *const *layers, int64_t n, const step_t *s, void *const *k_caches,
+                 void *const *v_caches, void *scratch, const head_t *head, const int64_t *rows, int64_t n_rows,
+                 void *logits) {
+    if (decoder_layers(x, layers, n, s, k_caches, v_caches, scratch) != 0) return -1;
+    const int64_t hidden = head->hidden, E = s->is_bf16 ? 2 : 4;
+    if (n_rows < 0 || n_rows > s->T) return -1;
+    if (n_rows == 0) return 0;
+    for (int64_t i = 0; i < n_rows; i++) {   /* scratch holds T rows of hidden: the layers are done with it */
+        if (rows[i] < 0 || rows[i] >= s->T) return -1;
+        rmsnorm((const char *)x + rows[i] * hidden * E, hidden, head->norm, (char *)scratch + i * hidden * E, hidden,
+                1, hidden, head->eps, s->is_bf16, s->num_threads);
+    }
+    step_t scored = *s;
+    scored.T = n_rows;
+    return linear(&scored, head->format, scratch, hidden, head->weight, head->bias, 0, logits, head->vocab, hidden, 0);
+}
+
+/* sizeof(layer_t) (which 0), sizeof(step_t) (1) and sizeof(head_t) (2): Python builds them as
+ * decoder.LayerParams, StepParams and HeadParams, and checks their sizes at load. */
+int64_t decoder_struct_bytes(int which) {
+    return which == 2 ? (int64_t)sizeof(head_t) : which ? (int64_t)sizeof(step_t) : (int64_t)sizeof(layer_t);
+}

@@ -32,12 +32,21 @@ class StepParams(ctypes.Structure):
                [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P), ("kv_fmt", _I64)]
 
 
+class HeadParams(ctypes.Structure):
+    """The final norm and the output layer (weight and format as `_weight` gives them)."""
+    _fields_ = [(name, _P) for name in ("norm", "weight", "bias")] + \
+               [(name, _I64) for name in ("format", "hidden", "vocab")] + [("eps", _F32)]
+
+
 def declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layers.restype = ctypes.c_int
     lib.decoder_layers.argtypes = [_P, _P, _I64, ctypes.POINTER(StepParams), _P, _P, _P]
+    lib.decoder_step.restype = ctypes.c_int
+    lib.decoder_step.argtypes = [_P, _P, _I64, ctypes.POINTER(StepParams), _P, _P, _P, ctypes.POINTER(HeadParams),
+                                 _P, _I64, _P]
     lib.decoder_struct_bytes.restype = _I64
     lib.decoder_struct_bytes.argtypes = [ctypes.c_int]
-    for which, params in enumerate((LayerParams, StepParams)):
+    for which, params in enumerate((LayerParams, StepParams, HeadParams)):
         if lib.decoder_struct_bytes(which) != ctypes.sizeof(params):
             raise RuntimeError(f"decoder.{params.__name__} does not match decoder.c's struct")
 
@@ -96,6 +105,25 @@ def cache_pointers(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     """The layers' K and V caches as run_layers takes them (the tensors must outlive the arrays)."""
     return ((_P * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches)),
             (_P * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches)))
+
+
+def head_params(norm_weight: torch.Tensor, eps: float, head) -> HeadParams:
+    """From the final norm's weight and the output linear (PackedLinear or QuantLinear; the objects must
+    outlive the params)."""
+    weight, fmt = _weight(head)
+    return HeadParams(norm_weight.data_ptr(), weight, _ptr(getattr(head, "bias", None)) if fmt < 0 else None,
+                      fmt, head.in_features, head.out_features, eps)
+
+
+def run_step(lib: KernelLibrary, x: torch.Tensor, layers: ctypes.Array, step: StepParams,
+             caches: tuple[ctypes.Array, ctypes.Array], scratch: torch.Tensor, head: HeadParams,
+             rows: torch.Tensor, logits: torch.Tensor) -> None:
+    """run_layers, then the head over rows `rows` (S,) int64 of x into logits (S, vocab) contiguous (float32
+    for a quantized head, else x's dtype); scratch as run_layers takes it."""
+    if lib.lib.decoder_step(x.data_ptr(), layers, len(layers), ctypes.byref(step), caches[0], caches[1],
+                            scratch.data_ptr(), ctypes.byref(head), rows.data_ptr(), rows.shape[0],
+                            logits.data_ptr()) != 0:
+        raise ValueError("decoder_step: a kernel refused its shapes")
 
 
 def run_layers(lib: KernelLibrary, x: torch.Tensor, layers: ctypes.Array, step: StepParams,

@@ -161,6 +161,7 @@ class LlamaModel(nn.Module):
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         self._layer_array = None                      # the layers' fused params as one C array (use_kernels)
         self._cache_pointers: tuple[list, tuple] | None = None   # (the KV cache list, its C pointer arrays)
+        self._head_params: tuple[nn.Module | None, object] | None = None   # (the output layer, its C params)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -176,7 +177,19 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (S,) rows to sample. Returns (S, V) float32."""
-        x = self.hidden_states(input_ids, positions, meta, kv_caches)
+        head = self._fused_head() if self.fused_layers and meta.kernel is not None else None
+        if head is None:
+            x = self.hidden_states(input_ids, positions, meta, kv_caches)
+        else:   # hidden_states' fused path, with the head in the same C call where it can run there
+            x = self.embed_tokens(input_ids)
+            cos, sin = self.rotary.cos_sin(positions)
+            if head.format < 0 or x.dtype == torch.float32:   # a quantized head takes float32 activations
+                logits = torch.empty(logits_indices.shape[0], head.vocab,
+                                     dtype=torch.float32 if head.format >= 0 else x.dtype)
+                rows = logits_indices.to(torch.int64).contiguous()
+                self._fused_layers(x, cos, sin, meta, kv_caches, head=(head, rows, logits))
+                return logits.float()
+            self._fused_layers(x, cos, sin, meta, kv_caches)
         # One token sampled of one: its row is the only one (a one-row decode step skips the gather).
         return self.compute_logits(x if x.shape[0] == 1 == logits_indices.shape[0] else x[logits_indices])
 
@@ -199,10 +212,24 @@ class LlamaModel(nn.Module):
         logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
         return logits.float()
 
+    def _fused_head(self) -> decoder_kernel.HeadParams | None:
+        """The final norm and output layer as decoder_step takes them, where this model's own hidden_states
+        and compute_logits are the base ones and both parts run on the C kernels; else None."""
+        head = self.lm_head
+        if self._head_params is None or self._head_params[0] is not head:
+            plain = (type(self).hidden_states is LlamaModel.hidden_states
+                     and type(self).compute_logits is LlamaModel.compute_logits)
+            ok = (plain and type(self.norm) is RMSNorm and self.norm.kernels is not None
+                  and (hasattr(head, "packed") or hasattr(head, "spec")))
+            self._head_params = (head, decoder_kernel.head_params(self.norm.weight, self.norm.eps, head) if ok else None)
+        return self._head_params[1]
+
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      local: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Every layer in one C call, updating x in place; `local`: a second RoPE table (cos, sin)."""
+                      local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      head: tuple[decoder_kernel.HeadParams, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Every layer in one C call, updating x in place; `local`: a second RoPE table (cos, sin); `head`:
+        (its params, the rows to score, their logits' tensor) to run the head in the same call."""
         num_tokens = x.shape[0]
         first = self.layers[0].fused
         scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
@@ -212,7 +239,10 @@ class LlamaModel(nn.Module):
         if self._cache_pointers is None or self._cache_pointers[0] is not kv_caches:
             # The runner passes the same list of cache tensors every step: their pointers are read once.
             self._cache_pointers = (kv_caches, decoder_kernel.cache_pointers(kv_caches))
-        decoder_kernel.run_layers(self.kernels, x, self._layer_array, step, self._cache_pointers[1], scratch)
+        if head is None:
+            decoder_kernel.run_layers(self.kernels, x, self._layer_array, step, self._cache_pointers[1], scratch)
+        else:
+            decoder_kernel.run_step(self.kernels, x, self._layer_array, step, self._cache_pointers[1], scratch, *head)
 
     def use_kernels(self, lib: KernelLibrary, fuse: bool = True) -> None:
         """Run on the C kernels: packed matmuls for every linear layer (and a tied output layer), and each

@@ -229,3 +229,26 @@ def test_chunked_prefill_matches_one_shot(models: tuple[str, LlamaModel, torch.n
 
     assert_logits_close(chunked, one_shot, f"{name} chunked vs one-shot")
     assert_logits_close(chunked, hf_logits(hf, prompt), f"{name} chunked vs transformers")
+
+
+def test_the_head_in_the_layers_call_gives_the_same_bits(models: tuple[str, LlamaModel, torch.nn.Module]) -> None:
+    """With the C kernels the final norm and the packed output layer run inside the layers' call
+    (decoder_step) where the model's parts allow it: the logits equal those of the head run after it."""
+    name, ours, _ = models
+    if ours.kernels is None:
+        pytest.skip("the torch path has no layers' call")
+    tokens = random_tokens(ours.arch.vocab_size, (9, 4), seed=31)
+    logits = []
+    for fused in (True, False):
+        runner = PagedRunner(ours, seed=3)
+        if not fused:
+            ours._fused_head = lambda: None   # the instance's attribute shadows the method
+        try:
+            tables = [runner.allocate(16), runner.allocate(16)]
+            logits += runner.step([(tokens[0], 0, tables[0]), (tokens[1], 0, tables[1])])
+            logits += runner.step([(tokens[1][:1], 9, tables[0]), (tokens[0][:2], 4, tables[1])])
+        finally:
+            ours.__dict__.pop("_fused_head", None)
+    assert (ours._fused_head() is None) == (name.startswith("gemma3") or not ours.fused_layers)
+    for a, b in zip(logits[:4], logits[4:]):
+        assert torch.equal(a, b), name

@@ -255,3 +255,37 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama: Path) -> None:
     from conveyor.errors import ModelLoadError
     with pytest.raises(ModelLoadError, match="int8"):
         _load(tiny_llama, "gguf")
+
+
+@pytest.mark.parametrize("source", ["tied", "output"])
+def test_the_head_in_the_layers_call_gives_the_same_bits(tiny_gguf: Path, tiny_kquant_gguf: Path, source: str) -> None:
+    """The final norm and a quantized output layer run inside the layers' C call (decoder_step) or after it
+    from Python: the same logits, bit for bit, for the rows a step scores (a subset, out of order)."""
+    model = _load(tiny_gguf if source == "tied" else tiny_kquant_gguf, "gguf")
+    assert model._fused_head() is not None
+    caches = [_cache(model), _cache(model)]
+    rows = [(PROMPTS[0], 0, [0]), (PROMPTS[1], 0, [1]), (PROMPTS[2], 0, [2])]
+    scored = torch.tensor([23, 0, 11, 12])
+    outputs = []
+    for fused, cache in zip((True, False), caches):
+        if not fused:
+            model._fused_head = lambda: None   # the instance's attribute shadows the method
+        input_ids, positions, specs = [], [], []
+        for tokens, cached, table in rows:
+            specs.append(RowSpec(token_start=len(input_ids), num_query=len(tokens), context_len=len(tokens),
+                                 block_table=table))
+            input_ids += tokens
+            positions += range(len(tokens))
+        meta = build_metadata(specs, block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"),
+                              kernel_tile_size=_tile(model))
+        with torch.no_grad():
+            outputs.append(model(torch.tensor(input_ids), torch.tensor(positions), meta, cache.layers, scored))
+        decode = build_metadata([RowSpec(token_start=0, num_query=1, context_len=13, block_table=[0])],
+                                block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"),
+                                kernel_tile_size=_tile(model))
+        with torch.no_grad():
+            outputs.append(model(torch.tensor([77]), torch.tensor([12]), meta=decode, kv_caches=cache.layers,
+                                 logits_indices=torch.tensor([0])))
+    del model._fused_head
+    assert outputs[0].shape == (4, VOCAB) and outputs[1].shape == (1, VOCAB)
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
