@@ -86,30 +86,42 @@ def measure_bandwidth(threads: int, size_bytes: int = 512 * 2**20, repeats: int 
     return {"read_bytes_per_s": size_bytes / read, "copy_bytes_per_s": 2 * size_bytes / copy}
 
 
-def stream_read_bandwidth(threads: int, size_bytes: int = 2 * 2**30, repeats: int = 5) -> float:
+class StreamProbe:
     """Bytes/s the C kernels' thread pool reads from a buffer of `size_bytes` (default 2 GiB), split as
-    the matmuls split their weights: the wall a one-row decode step streams against."""
-    import ctypes
+    the matmuls split their weights: the wall a one-row decode step streams against. The buffer is
+    allocated once, so a benchmark can measure the wall again beside each of its rounds."""
 
-    import torch
+    def __init__(self, threads: int, size_bytes: int = 2 * 2**30) -> None:
+        import ctypes
 
-    from conveyor import kernels
+        import torch
 
-    built = kernels.library()
-    if built is None:
-        raise RuntimeError("the stream test needs the C kernels (no C compiler found)")
-    lib = built.lib
-    lib.kq_stream_read.restype = ctypes.c_int64
-    lib.kq_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    buf = torch.ones(size_bytes + 64, dtype=torch.uint8)
-    start = (-buf.data_ptr()) % 64
-    nbytes = (size_bytes - start) // 256 * 256
-    best = float("inf")
-    for _ in range(repeats + 1):
-        began = time.perf_counter()
-        lib.kq_stream_read(buf.data_ptr() + start, nbytes, 1 << 20, threads)
-        best = min(best, time.perf_counter() - began)
-    return nbytes / best
+        from conveyor import kernels
+
+        built = kernels.library()
+        if built is None:
+            raise RuntimeError("the stream test needs the C kernels (no C compiler found)")
+        self.lib = built.lib
+        self.lib.kq_stream_read.restype = ctypes.c_int64
+        self.lib.kq_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        self.threads = threads
+        self.buf = torch.ones(size_bytes + 64, dtype=torch.uint8)
+        self.start = (-self.buf.data_ptr()) % 64
+        self.nbytes = (size_bytes - self.start) // 256 * 256
+
+    def __call__(self, repeats: int = 5) -> float:
+        """The best of `repeats` reads (after one to warm up)."""
+        best = float("inf")
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            self.lib.kq_stream_read(self.buf.data_ptr() + self.start, self.nbytes, 1 << 20, self.threads)
+            best = min(best, time.perf_counter() - began)
+        return self.nbytes / best
+
+
+def stream_read_bandwidth(threads: int, size_bytes: int = 2 * 2**30, repeats: int = 5) -> float:
+    """StreamProbe's figure, measured once."""
+    return StreamProbe(threads, size_bytes)(repeats)
 
 
 def step_floor(batch: int, params: dict[str, int], bandwidth: float, rates: dict[int, float]) -> dict[str, float | str]:

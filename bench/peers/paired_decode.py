@@ -6,9 +6,12 @@ bench.peers.real_models runs each system in its own minutes; on a shared host th
 one-row decode step streams at swings by a third within minutes, which is larger than the gap being
 measured. Here both servers stay up (their weights resident, so memory must hold both) and take turns:
 each round sends one request of `--tokens` output tokens to each (the order flips every round), and
-the figure is conveyor's tok/s over the peer's in the same round; the median of the rounds is reported,
-with the C stream read of 2 GiB on the same threads before and after (the wall), and each system's
-decode as bytes read per token times tok/s over that wall. JSON goes to --out-dir (docs/bench).
+the figure is conveyor's tok/s over the peer's in the same round; the median of the rounds is reported.
+The wall, the C stream read of 2 GiB on the same threads, is measured before every round and after the
+last: each system's share of it in a round is bytes read per token times its tok/s over the mean of the
+two reads around that round (the host's bandwidth moves within minutes, so walls read only at the ends of
+a run say little about its middle), and the median of those shares is reported. JSON goes to --out-dir
+(docs/bench).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from bench import report
-from bench.kernels.limits import model_arch, stream_read_bandwidth
+from bench.kernels.limits import StreamProbe, model_arch
 from bench.peers.real_models import conveyor_server, decode_bytes_per_token, find_peers, llama_server, served
 from bench.serving import servers
 from bench.serving.metrics import summarize
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     systems = {"conveyor": conveyor_server(args.model, args),
                args.peer: llama_server(peer, args.model, args.threads, arch, args.log_dir)}
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {args.model.name}", flush=True)
-    wall_before = stream_read_bandwidth(args.threads)
+    probe = StreamProbe(args.threads)
+    walls = []   # before each round, and after the last
     figures: dict[str, list[float]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -71,27 +75,31 @@ def main(argv: list[str] | None = None) -> None:
             urls[name] = launched.base_url
             served(launched.base_url, warmup_workload(vocab_high=vocab_high))
         for r in range(args.rounds):
+            walls.append(probe(repeats=2))
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
                 figures[name].append(one_stream_tok_s(urls[name], args.tokens, vocab_high, seed=r))
             ratio = figures["conveyor"][-1] / figures[args.peer][-1]
             print(f"round {r}: conveyor {figures['conveyor'][-1]:.2f} tok/s, {args.peer} "
                   f"{figures[args.peer][-1]:.2f}, ratio {ratio:.2f}", flush=True)
-    wall_after = stream_read_bandwidth(args.threads)
+        walls.append(probe(repeats=2))
     ratios = [a / b for a, b in zip(figures["conveyor"], figures[args.peer])]
     per_token = decode_bytes_per_token(args.model)
-    wall = (wall_before + wall_after) / 2
+    round_walls = [(a + b) / 2 for a, b in zip(walls, walls[1:])]
     summary = {name: {"tok_s": values, "median_tok_s": statistics.median(values),
-                      "median_share_of_stream": per_token * statistics.median(values) / wall}
+                      "shares_of_stream": [per_token * v / w for v, w in zip(values, round_walls)],
+                      "median_share_of_stream": statistics.median(per_token * v / w
+                                                                   for v, w in zip(values, round_walls))}
                for name, values in figures.items()}
     print(f"median ratio conveyor / {args.peer}: {statistics.median(ratios):.3f} over {args.rounds} rounds "
           f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}, {statistics.quantiles(ratios, n=4)[2]:.3f}); "
-          f"stream {wall_before / 1e9:.1f} -> {wall_after / 1e9:.1f} GB/s; decode share of stream: "
-          + ", ".join(f"{n} {s['median_share_of_stream']:.0%}" for n, s in summary.items()), flush=True)
+          f"stream {min(walls) / 1e9:.1f} to {max(walls) / 1e9:.1f} GB/s over the run; median share of the "
+          "stream read around each round: " + ", ".join(f"{n} {s['median_share_of_stream']:.0%}"
+                                                        for n, s in summary.items()), flush=True)
     out = report.save_run("paired-decode", args.out_dir, {
         "model": str(args.model), "file_bytes": args.model.stat().st_size, "peer": args.peer,
         "peer_commit": peer.commit(), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
         "ratios": ratios, "median_ratio": statistics.median(ratios), "systems": summary,
-        "stream_read_bytes_per_s": [wall_before, wall_after], "decode_bytes_per_token": per_token,
+        "stream_read_bytes_per_s": walls, "decode_bytes_per_token": per_token,
         "commands": {name: " ".join(s.command(0, 1, ctx)) for name, s in systems.items()}}, None)
     print(f"JSON: {out}")

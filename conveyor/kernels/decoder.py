@@ -1,5 +1,6 @@
-"""Every decoder layer of a step in one C call (decoder.c): the per-layer constants are set once, the
-per-step inputs once per forward, so a step costs one Python round trip instead of one per operation."""
+"""Every decoder layer of a step in one C call (decoder.c), the model's head (final norm and output layer)
+in the same call where it can run there: the per-layer constants are set once, the per-step inputs once
+per forward, so a step costs one Python round trip instead of one per operation."""
 
 from __future__ import annotations
 
