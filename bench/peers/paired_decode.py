@@ -31,9 +31,10 @@ from bench.workloads import offline_workload, warmup_workload
 PEERS = ("ik-llama-rtr", "ik-llama", "llama-server")
 
 
-def one_stream_tok_s(base_url: str, tokens: int, vocab_high: int, seed: int) -> float:
-    """One request, a 100-300 token prompt, `tokens` out (ignore_eos): 1000 / TPOT."""
-    request = offline_workload(1, 100, 300, tokens, vocab_low=100, vocab_high=vocab_high, seed=seed)
+def one_stream_tok_s(base_url: str, tokens: int, vocab_high: int, seed: int,
+                     prompt: tuple[int, int] = (100, 300)) -> float:
+    """One request, a prompt of prompt[0] to prompt[1] tokens, `tokens` out (ignore_eos): 1000 / TPOT."""
+    request = offline_workload(1, *prompt, tokens, vocab_low=100, vocab_high=vocab_high, seed=seed)
     return 1000 / summarize(served(base_url, request, max_concurrency=1))["tpot_ms"]["mean"]
 
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each system")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64, help="output tokens of each request")
+    p.add_argument("--prompt-tokens", default="100-300", help="each prompt's length, drawn from LOW-HIGH (decode "
+                   "attends to it: a long one measures decode at long context)")
     p.add_argument("--conveyor-quantization", default=None, help="conveyor's --quantization (default: its own)")
     p.add_argument("--conveyor-kv-cache-memory", default="1GiB", help="conveyor's --kv-cache-memory")
     p.add_argument("--conveyor-device", default="cpu")
@@ -58,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(peer)
     arch = model_arch(str(args.model))
     vocab_high = min(40_000, arch.vocab_size)
-    ctx = 300 + args.tokens + 16
+    low, _, high = args.prompt_tokens.partition("-")
+    prompt = (int(low), int(high or low))
+    ctx = prompt[1] + args.tokens + 16
     systems = {"conveyor": conveyor_server(args.model, args),
                args.peer: llama_server(peer, args.model, args.threads, arch, args.log_dir)}
     print(f"CPU: {report.machine()['lscpu']}; threads {args.threads}; {args.model.name}", flush=True)
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             walls.append(probe(repeats=2))
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
-                figures[name].append(one_stream_tok_s(urls[name], args.tokens, vocab_high, seed=r))
+                figures[name].append(one_stream_tok_s(urls[name], args.tokens, vocab_high, seed=r, prompt=prompt))
             ratio = figures["conveyor"][-1] / figures[args.peer][-1]
             print(f"round {r}: conveyor {figures['conveyor'][-1]:.2f} tok/s, {args.peer} "
                   f"{figures[args.peer][-1]:.2f}, ratio {ratio:.2f}", flush=True)
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     out = report.save_run("paired-decode", args.out_dir, {
         "model": str(args.model), "file_bytes": args.model.stat().st_size, "peer": args.peer,
         "peer_commit": peer.commit(), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+        "prompt_tokens": list(prompt),
         "ratios": ratios, "median_ratio": statistics.median(ratios), "systems": summary,
         "stream_read_bytes_per_s": walls, "decode_bytes_per_token": per_token,
         "commands": {name: " ".join(s.command(0, 1, ctx)) for name, s in systems.items()}}, None)
