@@ -39,6 +39,8 @@ typedef struct {
     int is_bf16;
     const float *cos_local, *sin_local;   /* the second RoPE table (Gemma 3's sliding layers), or NULL */
     int64_t kv_fmt;                       /* the cache's element format (half.h) */
+    const int64_t *positions;             /* NULL: cos, sin hold the step's T rows; else tables of */
+    int64_t rope_rows;                    /* rope_rows rows, token t turning with row positions[t] */
 } step_t;
 
 /* y = x W^T (+ bias) (+ res). A quantized weight has no residual epilogue: its product goes to tmp
@@ -82,9 +84,9 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
     int status = 0;
     rmsnorm(x, hidden, l->ln1, h, hidden, T, hidden, l->eps, s->is_bf16, s->num_threads);
     status |= linear(s, l->format[0], h, hidden, l->qkv, l->qkv_bias, 0, qkv, qkv_width, hidden, 0);
-    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, l->rope_dim, cos, sin, s->slots, k_cache,
-                         v_cache, s->block_size, l->q_norm, l->k_norm, l->eps, s->is_bf16, (int)s->kv_fmt,
-                         s->num_threads);
+    status |= rope_cache(qkv, qkv_width, T, l->heads, l->kv_heads, D, l->rope_dim, cos, sin, s->positions,
+                         s->rope_rows, s->slots, k_cache, v_cache, s->block_size, l->q_norm, l->k_norm, l->eps,
+                         s->is_bf16, (int)s->kv_fmt, s->num_threads);
     status |= paged_attention(qkv, qkv_width, k_cache, v_cache, s->tables, s->max_blocks, s->rows, s->ctx_lens,
                               s->tokens, s->tile_start, s->tiles, l->heads, l->kv_heads, D, s->block_size,
                               l->window, l->scale, attn, q_width, s->num_threads, s->is_bf16, (int)s->kv_fmt);

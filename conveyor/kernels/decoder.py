@@ -30,7 +30,8 @@ class StepParams(ctypes.Structure):
     _fields_ = [("T", _I64), ("cos", _P), ("sin", _P)] + \
                [(name, _P) for name in ("slots", "tables", "rows", "ctx_lens", "tokens", "tile_start")] + \
                [(name, _I64) for name in ("max_blocks", "tiles", "block_size", "num_threads")] + \
-               [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P), ("kv_fmt", _I64)]
+               [("is_bf16", ctypes.c_int), ("cos_local", _P), ("sin_local", _P), ("kv_fmt", _I64)] + \
+               [("positions", _P), ("rope_rows", _I64)]
 
 
 class HeadParams(ctypes.Structure):
@@ -87,14 +88,16 @@ def scratch_elements(params: LayerParams, num_tokens: int) -> int:
 
 def step_params(num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, plan,
                 block_size: int, is_bf16: bool, local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_dtype: torch.dtype = torch.float32) -> StepParams:
+                kv_dtype: torch.dtype = torch.float32, positions: torch.Tensor | None = None) -> StepParams:
     """plan: the attention metadata's KernelPlan; local: the second RoPE table (cos, sin), if the model
-    has one; kv_dtype: the cache's. The tensors must outlive the calls."""
+    has one; kv_dtype: the cache's. cos, sin (and local's): the step's rows, one per token, or with
+    `positions` (T,) int64 whole tables whose row positions[t] turns token t. The tensors must outlive the
+    calls."""
     return StepParams(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.block_tables.data_ptr(),
                       plan.rows.data_ptr(), plan.context_lens.data_ptr(), plan.tokens.data_ptr(),
                       plan.tile_start.data_ptr(), plan.block_tables.shape[1], plan.tile_start.shape[0] - 1,
                       block_size, threads.num_threads(), is_bf16, *(_ptr(t) for t in (local or (None, None))),
-                      KV_FORMATS[kv_dtype])
+                      KV_FORMATS[kv_dtype], _ptr(positions), cos.shape[0])
 
 
 def layer_array(layers: list[LayerParams]) -> ctypes.Array:

@@ -70,7 +70,8 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
 
 /* qkv: T rows of (Hq + 2 Hkv) heads of D values, row stride ld. The leading R values of each q and k
  * head turn (R = D but for partial RoPE, as Phi-3's), the rest pass unchanged. cos, sin: [T, R]
- * float32, sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin. q_norm, k_norm: per-head
+ * float32, sin signed so that rotate_half(x) * sin == roll(x, R/2) * sin; or, with pos, tables of
+ * `rows` rows of which token t turns with row pos[t] (its position). q_norm, k_norm: per-head
  * RMSNorm weights applied before the rotation (NULL: none; Gemma's order: normalise and scale in
  * float32, round once). Caches in the activations' dtype, slot = block * bs + offset: keys
  * [blocks, Hkv, D, bs] (transposed, as the attention kernel reads them), values [blocks, bs, Hkv, D]; an int8
@@ -78,7 +79,7 @@ void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, in
 typedef struct {
     void *qkv, *k_cache, *v_cache;
     const float *cos, *sin;
-    const int64_t *slots;
+    const int64_t *pos, *slots;
     const void *q_norm, *k_norm;
     int64_t ld, Hq, Hkv, D, R, bs;
     float eps;
@@ -109,7 +110,8 @@ static void rope_item(void *arg, int64_t t) {
     const int64_t D = j->D, R = j->R, Hq = j->Hq, Hkv = j->Hkv, bs = j->bs, half = R / 2, heads = Hq + Hkv;
     const int64_t slot = j->slots[t];
     const int is_bf16 = j->is_bf16;
-    const float *c = j->cos + t * R, *s = j->sin + t * R;
+    const int64_t turn = j->pos ? j->pos[t] : t;
+    const float *c = j->cos + turn * R, *s = j->sin + turn * R;
     const int64_t row = t * j->ld;
     for (int64_t h = 0; h < heads; h++) {
         float x[MAX_D];
@@ -147,11 +149,13 @@ static void rope_item(void *arg, int64_t t) {
 }
 
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
-               const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
+               const float *sin, const int64_t *pos, int64_t rows, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
                const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads) {
     if (D > MAX_D || R > D || R < 2 || R % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_I8) return -1;
+    for (int64_t t = 0; pos && t < T; t++)
+        if (pos[t] < 0 || pos[t] >= rows) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
-    rope_job job = {qkv, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps, is_bf16,
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, pos, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps, is_bf16,
                     kv_fmt};
     pool_for(T, rope_item, &job, num_threads);
     return 0;

@@ -48,6 +48,7 @@ class KernelPlan:
     context_lens: torch.Tensor    # (T,) long: keys each query sees (its position + 1)
     tokens: torch.Tensor          # (T,) long: each query's packed token index
     tile_start: torch.Tensor      # (tiles + 1,) long: tiles of consecutive queries of one row
+    max_context: int = 0          # the longest context: every query's position is below it
 
 
 @dataclass(slots=True)
@@ -144,7 +145,8 @@ def build_kernel_plan(rows: list[RowSpec], tile_size: int) -> KernelPlan:
         tokens.extend(range(r.token_start, r.token_start + r.num_query))
     tile_start.append(len(tokens))
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return KernelPlan(as_long(tables), as_long(row_of), as_long(context_lens), as_long(tokens), as_long(tile_start))
+    return KernelPlan(as_long(tables), as_long(row_of), as_long(context_lens), as_long(tokens), as_long(tile_start),
+                      max(r.context_len for r in rows))
 
 
 def build_metadata(rows: list[RowSpec], block_size: int, sliding_window: int | None,

@@ -99,11 +99,15 @@ class RotaryEmbedding(nn.Module):
                 return self._tables[0].index_select(0, positions), self._tables[1].index_select(0, positions)
             except IndexError:   # a position past the tables: grow them
                 pass
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        length = max(1024, 1 << (needed - 1).bit_length())
-        # Elementwise ops, so a row is the same bits whichever batch computes it (tests/unit/test_rope_table.py).
-        self._tables = self.compute(torch.arange(length))
-        return self._tables[0].index_select(0, positions), self._tables[1].index_select(0, positions)
+        cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 0)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin's CPU tables, (L, D) each with L >= length: row p is position p's."""
+        if self._tables is None or self._tables[0].shape[0] < length:
+            # Elementwise ops, so a row is the same bits whichever batch computes it (tests/unit/test_rope_table.py).
+            self._tables = self.compute(torch.arange(max(1024, 1 << (length - 1).bit_length())))
+        return self._tables
 
     def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin's tables computed for these positions."""

@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         self.fused_layers = False                     # every decoder layer as one C call (use_kernels)
         self._layer_array = None                      # the layers' fused params as one C array (use_kernels)
         self._cache_pointers: tuple[list, tuple] | None = None   # (the KV cache list, its C pointer arrays)
-        self._head_params: tuple[nn.Module | None, object] | None = None   # (the output layer, its C params)
+        self._head_params: tuple | None = None   # (the output layer, the final norm's weight, their C params)
         with torch.device("cpu"):  # the model may be built on the meta device; RoPE tables stay real
             self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.rope_scaling, rope_freq_factors)
 
@@ -182,14 +182,14 @@ class LlamaModel(nn.Module):
             x = self.hidden_states(input_ids, positions, meta, kv_caches)
         else:   # hidden_states' fused path, with the head in the same C call where it can run there
             x = self.embed_tokens(input_ids)
-            cos, sin = self.rotary.cos_sin(positions)
+            cos, sin = self.rotary.tables(meta.kernel.max_context)   # rows looked up in C by position
             if head.format < 0 or x.dtype == torch.float32:   # a quantized head takes float32 activations
                 logits = torch.empty(logits_indices.shape[0], head.vocab,
                                      dtype=torch.float32 if head.format >= 0 else x.dtype)
                 rows = logits_indices.to(torch.int64).contiguous()
-                self._fused_layers(x, cos, sin, meta, kv_caches, head=(head, rows, logits))
+                self._fused_layers(x, cos, sin, meta, kv_caches, head=(head, rows, logits), positions=positions)
                 return logits.float()
-            self._fused_layers(x, cos, sin, meta, kv_caches)
+            self._fused_layers(x, cos, sin, meta, kv_caches, positions=positions)
         # One token sampled of one: its row is the only one (a one-row decode step skips the gather).
         return self.compute_logits(x if x.shape[0] == 1 == logits_indices.shape[0] else x[logits_indices])
 
@@ -197,10 +197,11 @@ class LlamaModel(nn.Module):
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """(T, hidden): every token through every decoder layer, before the final norm."""
         x = self.embed_tokens(input_ids)                                   # (T, hidden), a fresh tensor
-        cos, sin = self.rotary.cos_sin(positions)                          # (T, D) float32 each
         if self.fused_layers and meta.kernel is not None:
-            self._fused_layers(x, cos, sin, meta, kv_caches)
+            cos, sin = self.rotary.tables(meta.kernel.max_context)        # rows looked up in C by position
+            self._fused_layers(x, cos, sin, meta, kv_caches, positions=positions)
         else:
+            cos, sin = self.rotary.cos_sin(positions)                      # (T, D) float32 each
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)   # once, not in every layer
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin, kv_cache, meta)
@@ -215,27 +216,31 @@ class LlamaModel(nn.Module):
     def _fused_head(self) -> decoder_kernel.HeadParams | None:
         """The final norm and output layer as decoder_step takes them, where this model's own hidden_states
         and compute_logits are the base ones and both parts run on the C kernels; else None."""
-        head = self.lm_head
-        if self._head_params is None or self._head_params[0] is not head:
+        head, norm = self.lm_head, self.norm.weight
+        if self._head_params is None or self._head_params[0] is not head or self._head_params[1] is not norm:
             plain = (type(self).hidden_states is LlamaModel.hidden_states
                      and type(self).compute_logits is LlamaModel.compute_logits)
             ok = (plain and type(self.norm) is RMSNorm and self.norm.kernels is not None
                   and (hasattr(head, "packed") or hasattr(head, "spec")))
-            self._head_params = (head, decoder_kernel.head_params(self.norm.weight, self.norm.eps, head) if ok else None)
-        return self._head_params[1]
+            self._head_params = (head, norm, decoder_kernel.head_params(norm, self.norm.eps, head) if ok else None)
+        return self._head_params[2]
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      head: tuple[decoder_kernel.HeadParams, torch.Tensor, torch.Tensor] | None = None) -> None:
+                      head: tuple[decoder_kernel.HeadParams, torch.Tensor, torch.Tensor] | None = None,
+                      positions: torch.Tensor | None = None) -> None:
         """Every layer in one C call, updating x in place; `local`: a second RoPE table (cos, sin); `head`:
-        (its params, the rows to score, their logits' tensor) to run the head in the same call."""
+        (its params, the rows to score, their logits' tensor) to run the head in the same call; `positions`:
+        cos, sin (and local's) are whole tables, whose rows the C code looks up by these positions."""
         num_tokens = x.shape[0]
+        if positions is not None and (positions.dtype != torch.int64 or not positions.is_contiguous()):
+            positions = positions.to(torch.int64).contiguous()
         first = self.layers[0].fused
         scratch = torch.empty(decoder_kernel.scratch_elements(first, num_tokens), dtype=x.dtype)
         step = decoder_kernel.step_params(num_tokens, cos, sin, meta.slot_mapping, meta.kernel,
                                           kv_caches[0][1].shape[1], x.dtype == torch.bfloat16, local,
-                                          kv_caches[0][0].dtype)
+                                          kv_caches[0][0].dtype, positions)
         if self._cache_pointers is None or self._cache_pointers[0] is not kv_caches:
             # The runner passes the same list of cache tensors every step: their pointers are read once.
             self._cache_pointers = (kv_caches, decoder_kernel.cache_pointers(kv_caches))

@@ -165,7 +165,7 @@ def test_the_c_writer_quantizes_as_torch_does(is_bf16: bool) -> None:
     fn = lib.rope_cache
     fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i64, p, p, ctypes.c_float, ctypes.c_int,
+    fn.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, p, i64, p, p, p, i64, p, p, ctypes.c_float, ctypes.c_int,
                    ctypes.c_int, i64]
     dtype = torch.bfloat16 if is_bf16 else torch.float32
     heads, kv_heads, head_dim, block_size, tokens = 4, 2, 64, 16, 37
@@ -178,7 +178,7 @@ def test_the_c_writer_quantizes_as_torch_does(is_bf16: bool) -> None:
     ours, theirs = torch.zeros(2, 8, nbytes, dtype=torch.int8), torch.zeros(2, 8, nbytes, dtype=torch.int8)
     k_view, v_view = kv_quant.code_views(ours, block_size, kv_heads, head_dim, True)
     assert fn(qkv.clone().data_ptr(), qkv.shape[1], tokens, heads, kv_heads, head_dim, head_dim, cos.data_ptr(),
-              sin.data_ptr(), slots.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), block_size, None, None, 1e-6,
+              sin.data_ptr(), None, 0, slots.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), block_size, None, None, 1e-6,
               int(is_bf16), kernels.decoder.KV_FORMATS[torch.int8], 1) == 0
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)

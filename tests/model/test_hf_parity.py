@@ -252,3 +252,31 @@ def test_the_head_in_the_layers_call_gives_the_same_bits(models: tuple[str, Llam
     assert (ours._fused_head() is None) == (name.startswith("gemma3") or not ours.fused_layers)
     for a, b in zip(logits[:4], logits[4:]):
         assert torch.equal(a, b), name
+
+
+def test_rope_rows_looked_up_by_position_give_the_same_bits(models: tuple[str, LlamaModel, torch.nn.Module]) -> None:
+    """The layers' C call turns each token with its row of the whole RoPE tables, looked up by position,
+    or with the step's rows gathered in Python beforehand: the same hidden states, bit for bit."""
+    name, ours, _ = models
+    if ours.kernels is None or not ours.fused_layers or type(ours).hidden_states is not LlamaModel.hidden_states:
+        pytest.skip("only the base model's layers' call looks its RoPE rows up by position")
+    tokens = random_tokens(ours.arch.vocab_size, (9, 4), seed=41)
+    states = []
+    for by_position in (True, False):
+        runner = PagedRunner(ours, seed=5)
+        tables = [runner.allocate(16), runner.allocate(16)]
+        runner.step([(tokens[0], 0, tables[0]), (tokens[1], 0, tables[1])])   # fills both caches
+        rows = [RowSpec(0, 1, 10, tables[0]), RowSpec(1, 3, 7, tables[1])]    # positions 9, then 4 to 6
+        meta = build_metadata(rows, block_size=BLOCK_SIZE, sliding_window=ours.arch.sliding_window,
+                              device=torch.device("cpu"), kernel_tile_size=runner.kernel_tile_size)
+        positions = torch.tensor([9, 4, 5, 6])
+        with torch.no_grad():
+            x = ours.embed_tokens(torch.tensor([tokens[1][0], *tokens[0][:3]]))
+            if by_position:
+                cos, sin = ours.rotary.tables(meta.kernel.max_context)
+                ours._fused_layers(x, cos, sin, meta, runner.cache.layers, positions=positions)
+            else:
+                cos, sin = ours.rotary.cos_sin(positions)
+                ours._fused_layers(x, cos, sin, meta, runner.cache.layers)
+        states.append(x)
+    assert torch.equal(states[0], states[1]), name
