@@ -15,7 +15,8 @@ from conveyor.kernels import decoder, formats, threads
 from conveyor.kernels.build import KernelLibrary, build, cpu_features, describe
 
 __all__ = ["KernelLibrary", "library", "library_for", "use_sanitizers", "cpu_features", "describe",
-           "attention_tile_size", "paged_attention", "mask_logits"]
+           "attention_tile_size", "paged_attention", "mask_logits",
+           "argmax_rows"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _sanitize = False
@@ -56,6 +57,8 @@ def library_for(features: frozenset[str]) -> KernelLibrary | None:
     lib.convert_fmt.argtypes = [_P, _INT, _P, _INT, _I64]
     lib.mask_logits.restype = None
     lib.mask_logits.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P]
+    lib.argmax_rows.restype = ctypes.c_int
+    lib.argmax_rows.argtypes = [_P, _I64, _I64, _I64, _P, _I64]
     lib.shm_allreduce.restype = ctypes.c_int
     lib.shm_allreduce.argtypes = [_P, _I64, _P, _I64, _INT, _INT, _I64, _P, _I64]
     return built
@@ -126,3 +129,19 @@ def mask_logits(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -
     built.lib.mask_logits(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0], masks.data_ptr(),
                           masks.shape[1], logits.shape[1], alive.data_ptr())
     return [bool(a) for a in alive.tolist()]
+
+
+def argmax_rows(logits: torch.Tensor, built: KernelLibrary | None = None) -> torch.Tensor | None:
+    """(S, V) float32 on the CPU with unit column stride -> (S,) int64: each row's first index of its largest
+    value, a NaN counting as largest (torch's and numpy's argmax), split across the kernels' threads. None
+    when the kernels are not built or the tensor is not one they take (the caller has its own path).
+    `built`: another build than this CPU's (tests run each code path)."""
+    built = built or library()
+    if (built is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[0] == 0 or logits.shape[1] == 0):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if built.lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                             threads.num_threads()) != 0:
+        return None
+    return out

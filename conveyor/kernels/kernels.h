@@ -291,6 +291,7 @@ int kn_embed_rows(int fmt, const uint8_t *table, int64_t num_rows, int64_t row_b
 /* sampling.c, scan.c, stream.c, shm_reduce.c */
 void mask_logits(float *logits, int64_t stride, const int64_t *rows, int64_t n, const int32_t *masks,
                  int64_t words, int64_t vocab, int32_t *alive);
+int argmax_rows(const float *logits, int64_t stride, int64_t n, int64_t vocab, int64_t *out, int64_t num_threads);
 int64_t scan_nonfinite(const uint8_t *raw, int64_t num_blocks, int64_t block_bytes, int64_t offset,
                        int64_t num_fields, int fmt, int64_t num_threads);
 int64_t kq_stream_read(const uint8_t *buf, int64_t bytes, int64_t chunk, int64_t num_threads);

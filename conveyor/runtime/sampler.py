@@ -176,9 +176,13 @@ def _argmax_only(row: SamplingRow) -> bool:
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """(S, V) -> (S,) int64: the first index of each row's largest value (a NaN counts as largest), as
-    torch.argmax. On the CPU numpy's is ~10x faster over a 150k vocabulary: ~0.3 ms of every decode step."""
+    torch.argmax. On the CPU the C kernels' (split across their threads), else numpy's: torch's took ~0.3 ms
+    of every decode step over a 150k vocabulary."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
+    ids = kernels.argmax_rows(logits)
+    if ids is not None:
+        return ids
     return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1).astype(np.int64, copy=False))
 
 
