@@ -288,7 +288,7 @@ void attn_i8_scores(const uint8_t *kt, int64_t D, const int16_t *qc, int64_t ldq
 /* embed.c: token embedding rows from a table in the file's Q8_0 / Q4_0 / Q5_0 blocks */
 int kn_embed_rows(int fmt, const uint8_t *table, int64_t num_rows, int64_t row_bytes, const int64_t *ids,
                   int64_t n, int64_t k, float *out);
-/* sampling.c, scan.c, stream.c, shm_reduce.c */
+/* sampling.c, argmax.c, scan.c, stream.c, shm_reduce.c */
 void mask_logits(float *logits, int64_t stride, const int64_t *rows, int64_t n, const int32_t *masks,
                  int64_t words, int64_t vocab, int32_t *alive);
 int argmax_rows(const float *logits, int64_t stride, int64_t n, int64_t vocab, int64_t *out, int64_t num_threads);
