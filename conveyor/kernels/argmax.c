@@ -82,7 +82,7 @@ int argmax_rows(const float *logits, int64_t stride, int64_t n, int64_t vocab, i
                     at = k;
                     break;
                 }
-            if (at < 0) at = span * ARGMAX_SPAN;   /* every value -inf */
+            if (at < 0) at = span * ARGMAX_SPAN;   /* not reached: a span's largest number is one of its values */
         }
         out[r] = at;
     }

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("attention.c", "attention_i8.c", "gemm.c", "layer.c", "quant.c", "kquant.c", "kquant_k.c", "kquant_sets.c",
-           "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "argmax.c", "stream.c", "shm_reduce.c", "formats.c",
-           "embed.c")
+           "kquant_repack.c", "decoder.c", "pool.c", "sampling.c", "argmax.c", "stream.c", "shm_reduce.c",
+           "formats.c", "embed.c")
 HEADERS = ("kernels.h", "pool.h", "kq_vec.h", "kq_codes.h", "half.h")   # hashed into the cache key with the sources
 SOURCES += ("scan.c",)   # what the GGUF loader checks a file's scales with (model/gguf/validate.py)
 DEFAULT_CACHE_DIR = CACHE_ROOT / "conveyor" / "kernels"

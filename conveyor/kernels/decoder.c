@@ -121,12 +121,13 @@ typedef struct {
 int decoder_step(void *x, const layer_t *const *layers, int64_t n, const step_t *s, void *const *k_caches,
                  void *const *v_caches, void *scratch, const head_t *head, const int64_t *rows, int64_t n_rows,
                  void *logits) {
-    if (decoder_layers(x, layers, n, s, k_caches, v_caches, scratch) != 0) return -1;
-    const int64_t hidden = head->hidden, E = s->is_bf16 ? 2 : 4;
     if (n_rows < 0 || n_rows > s->T) return -1;
-    if (n_rows == 0) return 0;
-    for (int64_t i = 0; i < n_rows; i++) {   /* scratch holds T rows of hidden: the layers are done with it */
+    for (int64_t i = 0; i < n_rows; i++)   /* checked before anything is written */
         if (rows[i] < 0 || rows[i] >= s->T) return -1;
+    if (decoder_layers(x, layers, n, s, k_caches, v_caches, scratch) != 0) return -1;
+    if (n_rows == 0) return 0;
+    const int64_t hidden = head->hidden, E = s->is_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < n_rows; i++) {   /* scratch holds T rows of hidden: the layers are done with it */
         rmsnorm((const char *)x + rows[i] * hidden * E, hidden, head->norm, (char *)scratch + i * hidden * E, hidden,
                 1, hidden, head->eps, s->is_bf16, s->num_threads);
     }

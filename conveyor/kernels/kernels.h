@@ -263,8 +263,8 @@ int gemm_isa(void);
 void rmsnorm(const void *x, int64_t ldx, const void *w, void *y, int64_t ldy, int64_t M, int64_t N, float eps,
              int is_bf16, int64_t num_threads);
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
-               const float *sin, const int64_t *pos, int64_t rows, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
-               const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads);
+               const float *sin, const int64_t *pos, int64_t rows, const int64_t *slots, void *k_cache,
+               void *v_cache, int64_t bs, const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads);
 void gated_act(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t M, int64_t I, int64_t act, int is_bf16,
                int64_t num_threads);
 void add_rows(void *x, const void *y, int64_t n, int is_bf16);

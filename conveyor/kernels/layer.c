@@ -149,14 +149,15 @@ static void rope_item(void *arg, int64_t t) {
 }
 
 int rope_cache(void *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, const float *cos,
-               const float *sin, const int64_t *pos, int64_t rows, const int64_t *slots, void *k_cache, void *v_cache, int64_t bs,
-               const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt, int64_t num_threads) {
+               const float *sin, const int64_t *pos, int64_t rows, const int64_t *slots, void *k_cache,
+               void *v_cache, int64_t bs, const void *q_norm, const void *k_norm, float eps, int is_bf16, int kv_fmt,
+               int64_t num_threads) {
     if (D > MAX_D || R > D || R < 2 || R % 2 || kv_fmt < FMT_F32 || kv_fmt > FMT_I8) return -1;
     for (int64_t t = 0; pos && t < T; t++)
         if (pos[t] < 0 || pos[t] >= rows) return -1;
     if (T * (Hq + Hkv) * D < 65536) num_threads = 1;
-    rope_job job = {qkv, k_cache, v_cache, cos, sin, pos, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps, is_bf16,
-                    kv_fmt};
+    rope_job job = {qkv, k_cache, v_cache, cos, sin, pos, slots, q_norm, k_norm, ld, Hq, Hkv, D, R, bs, eps,
+                    is_bf16, kv_fmt};
     pool_for(T, rope_item, &job, num_threads);
     return 0;
 }

@@ -178,8 +178,8 @@ def test_the_c_writer_quantizes_as_torch_does(is_bf16: bool) -> None:
     ours, theirs = torch.zeros(2, 8, nbytes, dtype=torch.int8), torch.zeros(2, 8, nbytes, dtype=torch.int8)
     k_view, v_view = kv_quant.code_views(ours, block_size, kv_heads, head_dim, True)
     assert fn(qkv.clone().data_ptr(), qkv.shape[1], tokens, heads, kv_heads, head_dim, head_dim, cos.data_ptr(),
-              sin.data_ptr(), None, 0, slots.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), block_size, None, None, 1e-6,
-              int(is_bf16), kernels.decoder.KV_FORMATS[torch.int8], 1) == 0
+              sin.data_ptr(), None, 0, slots.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), block_size, None, None,
+              1e-6, int(is_bf16), kernels.decoder.KV_FORMATS[torch.int8], 1) == 0
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
     k_plain, v_plain = kv_quant.code_views(theirs, block_size, kv_heads, head_dim, True)

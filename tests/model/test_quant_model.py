@@ -289,3 +289,6 @@ def test_the_head_in_the_layers_call_gives_the_same_bits(tiny_gguf: Path, tiny_k
     del model._fused_head
     assert outputs[0].shape == (4, VOCAB) and outputs[1].shape == (1, VOCAB)
     assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+    with pytest.raises(ValueError, match="refused"), torch.no_grad():   # a row past the step's tokens
+        model(torch.tensor([77]), torch.tensor([13]), meta=decode, kv_caches=caches[0].layers,
+              logits_indices=torch.tensor([1]))
