@@ -40,6 +40,8 @@ def check_serving(fig: dict) -> None:
     assert fig["completed"] == NUM_REQUESTS and fig["failed"] == 0, fig["errors"]
     assert fig["usage_reported"] and fig["chunk_tokens"] == fig["output_tokens"]   # logprobs list every token
     for name in LATENCIES:
+        if name == "itl_ms" and fig[name]["p50"] is None:
+            continue   # every request's tokens came in one chunk (the front fell behind): no gap to measure
         check_distribution(fig[name])
     assert fig["ttft_ms"]["p99"] <= fig["e2e_ms"]["p99"]
     assert 0 <= fig["goodput"]["good_requests"] <= NUM_REQUESTS
@@ -109,7 +111,9 @@ def test_goals_and_plots(bench_run: tuple[dict, str]) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         assert "matplotlib is not installed" in doc["plots"]
     else:
-        assert len(doc["plots"]) == 3 and all(Path(p).stat().st_size > 0 for p in doc["plots"])
+        # throughput and TTFT always; ITL where some request's tokens came in more than one chunk
+        with_gaps = bool(doc["samples"]["conveyor-server/c4"]["itl_ms"])
+        assert len(doc["plots"]) == 2 + with_gaps and all(Path(p).stat().st_size > 0 for p in doc["plots"])
 
 
 def test_summarize_counts_and_orders() -> None:
