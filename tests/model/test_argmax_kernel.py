@@ -8,20 +8,11 @@ import pytest
 import torch
 
 from conveyor import kernels
-from conveyor.kernels.build import AVX2, builds
 from conveyor.runtime.sampler import _argmax_rows
 
-NATIVE = kernels.cpu_features()
-VARIANTS = builds(NATIVE, ("native", "avx2", "portable"))
+from kernel_builds import VARIANTS, library
+
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
-
-
-def _library(variant: str) -> kernels.KernelLibrary:
-    if variant == "avx2" and not AVX2 <= NATIVE:
-        pytest.skip("this CPU has no AVX2")
-    library = kernels.library_for(frozenset(VARIANTS[variant]))
-    assert library is not None
-    return library
 
 
 def expected(logits: torch.Tensor) -> torch.Tensor:
@@ -33,7 +24,7 @@ def expected(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3])
 def test_matches_numpy_on_random_rows(variant: str, vocab: int, rows: int) -> None:
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab + rows))
-    assert torch.equal(kernels.argmax_rows(logits, _library(variant)), expected(logits))
+    assert torch.equal(kernels.argmax_rows(logits, library(variant)), expected(logits))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -49,7 +40,7 @@ def test_ties_nans_infinities_and_signed_zeros(variant: str) -> None:
     logits[4, 3] = -0.0                                         # -0 == +0: the first zero
     logits[5, vocab - 1] = -1e30                                # one finite value, last of all
     logits[6, 0] = float("nan")
-    got = kernels.argmax_rows(logits, _library(variant)).tolist()
+    got = kernels.argmax_rows(logits, library(variant)).tolist()
     assert got == expected(logits).tolist() == [0, 5, 100, 16_999, 0, vocab - 1, 0]
 
 

@@ -9,19 +9,12 @@ import torch
 
 from conveyor import kernels
 from conveyor.kernels import quant
-from conveyor.kernels.build import AVX2, builds, quant_isa
+from conveyor.kernels.build import builds, quant_isa
 
-NATIVE = kernels.cpu_features()
-VARIANTS = builds(NATIVE, ("native", "avx2", "portable"))
+from kernel_builds import NATIVE, VARIANTS
+from kernel_builds import library as _library
+
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
-
-
-def _library(variant: str) -> kernels.KernelLibrary:
-    if variant == "avx2" and not AVX2 <= NATIVE:
-        pytest.skip("this CPU has no AVX2")
-    library = kernels.library_for(frozenset(VARIANTS[variant]))
-    assert library is not None
-    return library
 
 
 def _weight(fmt: str, n: int, k: int, seed: int) -> quant.QuantWeight:
