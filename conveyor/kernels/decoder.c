@@ -101,6 +101,10 @@ int decoder_layer(void *x, const layer_t *l, const step_t *s, void *k_cache, voi
 /* Layers [0, n) in turn, each as decoder_layer: a step's layers in one call from Python, not one per layer. */
 int decoder_layers(void *x, const layer_t *const *layers, int64_t n, const step_t *s, void *const *k_caches,
                    void *const *v_caches, void *scratch) {
+    /* RoPE rows looked up by position: checked before anything is written (a layer's kernels each check their
+     * own inputs, but a refusal inside one lets the layer's other parts run on) */
+    for (int64_t t = 0; s->positions && t < s->T; t++)
+        if (s->positions[t] < 0 || s->positions[t] >= s->rope_rows) return -1;
     for (int64_t i = 0; i < n; i++)
         if (decoder_layer(x, layers[i], s, k_caches[i], v_caches[i], scratch) != 0) return -1;
     return 0;

@@ -274,6 +274,10 @@ def test_rope_rows_looked_up_by_position_give_the_same_bits(models: tuple[str, L
             x = ours.embed_tokens(torch.tensor([tokens[1][0], *tokens[0][:3]]))
             if by_position:
                 cos, sin = ours.rotary.tables(meta.kernel.max_context)
+                before = x.clone()
+                with pytest.raises(ValueError, match="refused"):   # position 9 past tables of 9 rows
+                    ours._fused_layers(x, cos[:9], sin[:9], meta, runner.cache.layers, positions=positions)
+                assert torch.equal(x, before)
                 ours._fused_layers(x, cos, sin, meta, runner.cache.layers, positions=positions)
             else:
                 cos, sin = ours.rotary.cos_sin(positions)
