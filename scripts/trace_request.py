@@ -17,6 +17,13 @@ on with a function of its own): the file was never left. The rest, `re-entries a
 coming back into a file none of whose code is running (a later phase, a callback). The same counts over
 packages (`conveyor/server`, `conveyor/engine`, ...; the top-level modules as one, `conveyor/*.py`)
 show the floors: a walk straight down and back up re-enters each floor once on its way back.
+
+The handoffs: the same walk over the functions that pass the request on, those that called code of
+another conveyor file (directly or through a library: a route through Starlette, a callback through the
+event loop). A function that only answers from its own file (`Request.num_tokens`, a field check, a
+dataclass's `__init__`) is read where it is called, as a reader reads it, and a file the request only
+consults drops out of this walk. It is the unit of a hand-drawn request path (route, serving, front, core,
+scheduler, runner, model, sampler and back); the walk over every function stays beside it.
 `--walk` prints every segment with the functions first run in it; `--json OUT` writes the counts and
 the walk.
 """
@@ -53,6 +60,7 @@ class Recorder:
     first_runs: list[tuple[str, str, str]] = field(default_factory=list)   # (file, function, thread)
     seen: set[tuple[str, str]] = field(default_factory=set)
     on_stack: set[tuple[str, str]] = field(default_factory=set)   # first runs whose file was already running
+    hands_on: set[tuple[str, str]] = field(default_factory=set)   # functions that called another file's code
     num_calls: int = 0
 
     def hook(self, frame: FrameType, event: str, arg: Any) -> None:  # noqa: ANN401
@@ -63,6 +71,12 @@ class Recorder:
             return
         self.num_calls += 1
         key = ("conveyor/" + filename[len(PACKAGE_DIR):], frame.f_code.co_qualname)
+        caller = frame.f_back   # the nearest conveyor frame above, through any library in between
+        while caller is not None and not caller.f_code.co_filename.startswith(PACKAGE_DIR):
+            caller = caller.f_back
+        if caller is not None and caller.f_code.co_filename != filename:
+            self.hands_on.add(("conveyor/" + caller.f_code.co_filename[len(PACKAGE_DIR):],
+                               caller.f_code.co_qualname))
         if key not in self.seen:
             self.seen.add(key)
             self.first_runs.append((*key, threading.current_thread().name))
@@ -159,6 +173,38 @@ def trace(model: str | None, max_tokens: int, threads: int) -> tuple[Recorder, s
     return recorder, text
 
 
+def handoff_runs(recorder: Recorder) -> list[tuple[str, str, str]]:
+    """The first runs of the functions that pass the request on: those that called another file's code."""
+    return [run for run in recorder.first_runs if run[:2] in recorder.hands_on]
+
+
+def walk_counts(segments: list[Segment]) -> dict[str, int]:
+    left = [s for s in segments if s.is_reentry and not s.is_return]
+    return {"hops": len(segments), "files": len({s.file for s in segments}),
+            "reentries": sum(s.is_reentry for s in segments),
+            "files_reentered": len({s.file for s in segments if s.is_reentry}),
+            "reentries_after_leaving": len(left), "files_reentered_after_leaving": len({s.file for s in left})}
+
+
+def describe(segments: list[Segment]) -> str:
+    c = walk_counts(segments)
+    left = sorted({s.file.removeprefix("conveyor/") for s in segments if s.is_reentry and not s.is_return})
+    return (f"{c['hops']} hops through {c['files']} files, {c['reentries']} re-entries into a file already left "
+            f"({c['files_reentered']} files); {c['reentries'] - c['reentries_after_leaving']} of them return to a "
+            f"file still on the stack, {c['reentries_after_leaving']} come back into one none of whose code was "
+            f"running ({c['files_reentered_after_leaving']} files: {', '.join(left)})")
+
+
+def print_walk(segments: list[Segment]) -> None:
+    for i, s in enumerate(segments, 1):
+        mark = "returns to" if s.is_return else "re-enters" if s.is_reentry else "enters"
+        print(f"{i:3d} {mark:9s} {s.file}: {', '.join(s.functions)}")
+
+
+def segment_json(s: Segment) -> dict[str, Any]:
+    return {"file": s.file, "functions": list(s.functions), "reentry": s.is_reentry, "return": s.is_return}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the bundled model)")
@@ -171,37 +217,30 @@ def main(argv: list[str] | None = None) -> int:
 
     recorder, text = trace(args.model, args.max_tokens, args.threads)
     segments = walk(recorder.first_runs, on_stack=recorder.on_stack)
-    files = sorted({s.file for s in segments})
-    left = [s for s in segments if s.is_reentry and not s.is_return]
+    handoffs = walk(handoff_runs(recorder), on_stack=recorder.on_stack)
     floors = walk(recorder.first_runs, by_package=True)
-    counts = {"hops": len(segments), "files": len(files), "reentries": sum(s.is_reentry for s in segments),
-              "files_reentered": len({s.file for s in segments if s.is_reentry}),
-              "reentries_after_leaving": len(left), "files_reentered_after_leaving": len({s.file for s in left}),
+    counts = {**walk_counts(segments), "functions": len(recorder.first_runs), "calls": recorder.num_calls,
+              **{f"handoff_{k}": v for k, v in walk_counts(handoffs).items()},
+              "handoff_functions": len(handoff_runs(recorder)),
               "package_hops": len(floors), "packages": len({s.file for s in floors}),
-              "package_reentries": sum(s.is_reentry for s in floors),
-              "functions": len(recorder.first_runs), "calls": recorder.num_calls}
+              "package_reentries": sum(s.is_reentry for s in floors)}
     if args.walk:
-        for i, s in enumerate(segments, 1):
-            mark = "returns to" if s.is_return else "re-enters" if s.is_reentry else "enters"
-            print(f"{i:3d} {mark:9s} {s.file}: {', '.join(s.functions)}")
+        print_walk(segments)
+        print("\nthe handoffs alone (functions that call another file's code):")
+        print_walk(handoffs)
     print(f"answer: {text!r}")
-    print(f"one streamed chat request ({args.max_tokens} tokens): {counts['hops']} hops through "
-          f"{counts['files']} files, {counts['reentries']} re-entries into a file already left "
-          f"({counts['files_reentered']} files re-entered); {counts['functions']} functions, "
-          f"{counts['calls']} calls in all")
-    print(f"of the re-entries, {counts['reentries'] - counts['reentries_after_leaving']} return to a file still on "
-          f"the stack and {counts['reentries_after_leaving']} come back into one none of whose code was running "
-          f"({counts['files_reentered_after_leaving']} files: "
-          f"{', '.join(sorted({s.file.removeprefix('conveyor/') for s in left}))})")
+    print(f"one streamed chat request ({args.max_tokens} tokens), every function: {describe(segments)}; "
+          f"{counts['functions']} functions, {counts['calls']} calls in all")
+    print(f"its handoffs ({counts['handoff_functions']} functions that call another file's code): "
+          f"{describe(handoffs)}")
     print(f"by package: {counts['package_hops']} hops through {counts['packages']} packages, "
           f"{counts['package_reentries']} re-entries: {' -> '.join(s.file.removeprefix('conveyor/') for s in floors)}")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "command": " ".join(["python", "scripts/trace_request.py", *(argv or sys.argv[1:])]),
-            **counts, "files_walked": files,
+            **counts, "files_walked": sorted({s.file for s in segments}),
             "packages_walked": [s.file for s in floors],
-            "walk": [{"file": s.file, "functions": list(s.functions), "reentry": s.is_reentry, "return": s.is_return}
-                     for s in segments],
+            "walk": [segment_json(s) for s in segments], "handoff_walk": [segment_json(s) for s in handoffs],
         }, indent=1) + "\n")
     return 0
 

@@ -35,6 +35,23 @@ def test_walk_merges_runs_of_one_file_and_counts_each_return_to_a_file_left() ->
                                         "conveyor/server", "conveyor/*.py"]
 
 
+def test_the_handoff_walk_keeps_the_functions_that_called_another_files_code() -> None:
+    trace = load_script()
+    runs = [("conveyor/server/app.py", "route", "t"), ("conveyor/core/request.py", "num_tokens", "t"),
+            ("conveyor/front/front.py", "add", "t"), ("conveyor/core/request.py", "append", "t"),
+            ("conveyor/server/app.py", "send", "t")]
+    recorder = trace.Recorder(first_runs=runs, hands_on={("conveyor/server/app.py", "route"),
+                                                          ("conveyor/front/front.py", "add"),
+                                                          ("conveyor/server/app.py", "send")})
+    handoffs = trace.handoff_runs(recorder)
+    assert handoffs == [runs[0], runs[2], runs[4]]
+    every = trace.walk_counts(trace.walk(runs))
+    assert (every["hops"], every["files"], every["reentries"], every["files_reentered"]) == (5, 3, 2, 2)
+    counts = trace.walk_counts(trace.walk(handoffs))
+    assert (counts["hops"], counts["files"], counts["reentries"], counts["reentries_after_leaving"],
+            counts["files_reentered_after_leaving"]) == (3, 2, 1, 1, 1)
+
+
 def test_a_traced_streamed_chat_request_walks_from_the_route_through_the_core_and_back() -> None:
     trace = load_script()
     recorder, text = trace.trace(None, max_tokens=8, threads=2)
@@ -49,3 +66,9 @@ def test_a_traced_streamed_chat_request_walks_from_the_route_through_the_core_an
     segments = trace.walk(recorder.first_runs)
     assert sum(s.is_reentry for s in segments) == len(segments) - len({s.file for s in segments})
     assert recorder.num_calls > len(recorder.first_runs) > 50
+    # The handoffs: the route, the core's step and the runner pass the request on; a Request's accessor does not.
+    handoffs = {run[:2] for run in trace.handoff_runs(recorder)}
+    assert {("conveyor/server/app.py", "build_app.<locals>.chat_completions"), ("conveyor/engine/core.py",
+            "EngineCore.step"), ("conveyor/runtime/model_runner.py", "ModelRunner.execute")} <= handoffs
+    assert ("conveyor/core/request.py", "Request.num_tokens") in {run[:2] for run in recorder.first_runs}
+    assert ("conveyor/core/request.py", "Request.num_tokens") not in handoffs

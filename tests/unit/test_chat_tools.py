@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from helpers import tiny_bpe_tokenizer
+
+import conveyor.text.tokenizer as tokenizer_module
 from conveyor.text.chat_template import compile_chat_template, render_chat_template, takes_tools
 from conveyor.server.parsing.chat_tools import DEFAULT_TOOLS_PROMPT, template_input, tool_choice_constraint
 from conveyor.server.openai_api.chat_schemas import ChatMessage, NamedToolChoice, ToolDefinition
@@ -70,3 +74,17 @@ def test_only_required_and_a_named_function_are_grammars() -> None:
     named = json.loads(tool_choice_constraint([TOOL], NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "add"}}), True).structural_tag)
     assert named["format"]["type"] == "tag" and named["format"]["content"]["json_schema"]["properties"]["a"]
+
+
+def test_the_tokenizer_parses_a_template_for_tools_once_and_again_when_it_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = tiny_bpe_tokenizer()
+    parses: list[str] = []
+    monkeypatch.setattr(tokenizer_module, "takes_tools", lambda source: parses.append(source) or takes_tools(source))
+    tokenizer.use_chat_template(PLAIN)
+    assert [tokenizer.template_takes_tools for _ in range(3)] == [False] * 3
+    tokenizer.use_chat_template(WITH_TOOLS)
+    assert [tokenizer.template_takes_tools for _ in range(3)] == [True] * 3
+    assert parses == [PLAIN, WITH_TOOLS]
+    tokenizer.chat_template = None
+    assert tokenizer.template_takes_tools is False

@@ -21,7 +21,7 @@ from conveyor.front.async_engine import AsyncEngine
 from conveyor.front.output_stream import OutputStream
 from conveyor.logprobs import TokenLogprobs
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.openai_api.streaming import PromptGroup
+from conveyor.server.openai_api.prompt_group import PromptGroup
 from conveyor.text.tokenizer import Tokenizer
 
 INFO = CoreInfo(vocab_size=300, max_model_len=64, num_kv_blocks=8, block_size=16, startup_s=0.0)

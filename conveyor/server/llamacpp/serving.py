@@ -26,10 +26,10 @@ from conveyor.logprobs import TokenLogprobs
 from conveyor.server.openai_api.completion_serving import CLIENT_CLOSED_REQUEST, Serving
 from conveyor.server.llamacpp.schemas import LlamaCompletionRequest, LlamaPrompt
 from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget
+from conveyor.server.openai_api.prompt_group import PromptGroup
 from conveyor.server.openai_api.streaming import (
     ClientDisconnected,
     EventStreamResponse,
-    PromptGroup,
     error_payload,
     sse,
     until_disconnected,

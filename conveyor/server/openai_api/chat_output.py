@@ -22,7 +22,7 @@ from conveyor.server.parsing.tool_syntaxes import CallSyntax
 if TYPE_CHECKING:
     from conveyor.text.tokenizer import Tokenizer
     from conveyor.server.openai_api.request_schemas import ChatCompletionRequest
-    from conveyor.server.openai_api.streaming import PromptGroup
+    from conveyor.server.openai_api.prompt_group import PromptGroup
 
 
 class ChatOutputSplitter:

@@ -30,11 +30,11 @@ from conveyor.server.http.off_loop import THREAD_TOKENIZE_CHARS, encode_all, res
 from conveyor.server.http.request_limits import check_choice_count, check_logprobs_budget, tenant_of
 from conveyor.server.openai_api.request_schemas import CompletionRequest
 from conveyor.server.openai_api.responses import CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo
+from conveyor.server.openai_api.prompt_group import PromptGroup
 from conveyor.server.openai_api.streaming import (
     DONE_EVENT,
     ClientDisconnected,
     EventStreamResponse,
-    PromptGroup,
     TextChunks,
     error_event,
     sse,

@@ -54,11 +54,11 @@ from conveyor.server.parsing.tool_calls import ToolCall, parse_tool_calls
 from conveyor.server.parsing.tool_syntaxes import resolve_tool_call_parser, syntaxes
 from conveyor.server.openai_api.chat_output import (ChatOutputSplitter, ChatRun, Thinking, effort_settings,
                                                     finish_reason, tool_call_deltas, tool_calls_out)
+from conveyor.server.openai_api.prompt_group import PromptGroup
 from conveyor.server.openai_api.streaming import (
     DONE_EVENT,
     ClientDisconnected,
     EventStreamResponse,
-    PromptGroup,
     TextChunks,
     error_event,
     sse,

@@ -23,7 +23,7 @@ from conveyor.front.async_engine import AsyncEngine
 from conveyor.errors import InvalidRequest, NotFound
 from conveyor.runtime.kv import named_prompts
 from conveyor.server.openai_api.sampling_request import SamplingRequest
-from conveyor.server.openai_api.streaming import PromptGroup
+from conveyor.server.openai_api.prompt_group import PromptGroup
 
 logger = logging.getLogger(__name__)
 
