@@ -29,6 +29,16 @@ def test_line_breaks_inside_strings_are_escaped() -> None:
     assert json.loads(lines[0][len("data: "):])["message"] == TEXT
 
 
+@pytest.mark.parametrize("text", ["plain ascii", "caf\u00e9 \U0001f600", "\u00e9\x85", "\u00e9\u2028", "x\u2029"])
+def test_each_line_break_alone_is_escaped_and_other_text_kept(text: str) -> None:
+    payload = json.dumps({"text": text}, ensure_ascii=False)
+    event = sse(payload)
+    assert event.endswith("\n\n") and event.splitlines()[1:] == [""]
+    assert json.loads(event[len("data: "):])["text"] == text
+    if not any(c in text for c in "\x85\u2028\u2029"):
+        assert event == f"data: {payload}\n\n"
+
+
 def test_httpx_reads_the_event_whole() -> None:
     """httpx's aiter_lines (str.splitlines) cut the raw form of this event in two."""
     body = sse(ErrorInfo(message=TEXT, type="x").model_dump_json()).encode()

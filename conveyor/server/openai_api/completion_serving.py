@@ -121,7 +121,7 @@ def _echo_text(serving: Serving, prompt: str | list[int]) -> str:
 def _choice(serving: Serving, body: CompletionRequest, index: int, choice: Choice, prompt: list[int],
             echoed: str | None, scores: list[PromptLogprob | None] | None) -> CompletionChoice:
     """One choice; siblings of a prompt's first choice show its scores (only the first computes them)."""
-    text, entries = ("", []) if body.drops_output else ("".join(choice.text), choice.logprobs)
+    text, entries = ("", []) if drops_output else ("".join(choice.text), choice.logprobs)
     as_ids = body.return_tokens_as_token_ids
     logprobs = None
     if body.logprobs is not None:
@@ -143,6 +143,7 @@ async def _completion_events(serving: Serving, group: PromptGroup, prompts: list
     plain = TextChunks(CompletionChunk(id=group.group_id, created=created, model=serving.model_name, choices=[
         CompletionChoice(index=0, text="", logprobs=None, finish_reason=None)]).model_dump_json(),
         '"index":0,"text":""', '"index":{},"text":{}')
+    drops_output = body.drops_output
     try:
         async for index, output in group.outputs():
             choice = choices[index]
@@ -150,7 +151,7 @@ async def _completion_events(serving: Serving, group: PromptGroup, prompts: list
             choice.num_tokens += len(output.new_token_ids)
             if output.prompt_logprobs is not None:
                 choice.prompt_logprobs = output.prompt_logprobs
-            text, entries = ("", []) if body.drops_output else (output.new_text, output.new_logprobs)
+            text, entries = ("", []) if drops_output else (output.new_text, output.new_logprobs)
             prefix, scores = "", None
             if echoed is not None and first:   # the prompt goes out with the choice's first chunk
                 prefix = echoed[index // n]
