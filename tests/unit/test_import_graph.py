@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = "conveyor"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
-MAX_LINES = 450
+MAX_LINES = 400   # Python and the live view's page (the C kernels: tests/model/test_kernel_contract.py)
 
 # Lowest first: no module of a layer imports one of a later layer.
 # `server -> front -> engine -> runtime -> model` is STYLE.md's order; kernels sit under the model, text
@@ -167,10 +167,11 @@ def test_packages_stay_small() -> None:
     assert not big, f"packages over {MAX_MODULES} modules: {big}"
 
 
-def test_python_files_stay_small() -> None:
-    long = {str(path.relative_to(ROOT.parent)): count for path in ROOT.rglob("*.py")
+def test_source_files_stay_small() -> None:
+    suffixes = (".py", ".js", ".html", ".css")
+    long = {str(path.relative_to(ROOT.parent)): count for path in ROOT.rglob("*") if path.suffix in suffixes
             if (count := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"Python files over {MAX_LINES} lines: {long}"
+    assert not long, f"source files over {MAX_LINES} lines: {long}"
 
 
 def test_the_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
