@@ -162,14 +162,21 @@ def launch_server_process(model: Path, *flags: str) -> tuple[Any, str]:
 
     The server leads a process group of its own, so a test can signal the group as a terminal does.
     """
+    import os
     import subprocess
     import sys
+    import tempfile
 
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor", "serve", "--model", str(model), "--port", str(port), "--threads", "1",
-         "--kv-cache-memory", "64MiB", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The log goes to a file, not a pipe: a server that logs more than a pipe holds (64 KiB) before the test
+    # reads it would block in its logging, and the test would hang instead of failing.
+    with tempfile.NamedTemporaryFile("w", prefix="conveyor-serve-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "conveyor", "serve", "--model", str(model), "--port", str(port), "--threads",
+             "1", "--kv-cache-memory", "64MiB", *flags],
+            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process.stdout = open(log.name)   # read from its start, as the pipe was  # noqa: SIM115
+    os.unlink(log.name)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

@@ -121,7 +121,7 @@ def _echo_text(serving: Serving, prompt: str | list[int]) -> str:
 def _choice(serving: Serving, body: CompletionRequest, index: int, choice: Choice, prompt: list[int],
             echoed: str | None, scores: list[PromptLogprob | None] | None) -> CompletionChoice:
     """One choice; siblings of a prompt's first choice show its scores (only the first computes them)."""
-    text, entries = ("", []) if drops_output else ("".join(choice.text), choice.logprobs)
+    text, entries = ("", []) if body.drops_output else ("".join(choice.text), choice.logprobs)
     as_ids = body.return_tokens_as_token_ids
     logprobs = None
     if body.logprobs is not None:
