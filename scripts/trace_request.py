@@ -24,8 +24,9 @@ event loop). A function that only answers from its own file (`Request.num_tokens
 dataclass's `__init__`) is read where it is called, as a reader reads it, and a file the request only
 consults drops out of this walk. It is the unit of a hand-drawn request path (route, serving, front, core,
 scheduler, runner, model, sampler and back); the walk over every function stays beside it.
-`--walk` prints every segment with the functions first run in it; `--json OUT` writes the counts and
-the walk.
+
+`--walk` prints every segment of both walks with the functions first run in it; `--json OUT` writes the
+counts and both walks.
 """
 
 from __future__ import annotations
