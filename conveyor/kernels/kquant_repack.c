@@ -140,6 +140,35 @@ static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t 
     if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, &((const block_q4_1 *)b)->m, 2);
 }
 
+/* Q4_K, most of a Q4_K_M file, without unpacking its codes one at a time: a byte of our block holds channel
+ * c's code in its low nibble and c + 16's in its high one, so two channels' 32 codes of a block are two
+ * shifts and an or of 32 file bytes. The same bytes as the general loop in repack_panel. */
+static void repack_q4k_panel(const repack_job *j, int64_t p, uint8_t *panel, int64_t units) {
+    static const uint8_t none[128];   /* a missing channel's codes */
+    const int64_t ub = kn_unit_bytes(FMT_Q4_K), fb = kn_file_bytes(FMT_Q4_K);
+    for (int c = 0; c < NR / 2; c++) {
+        const int64_t n = p * NR + c, m = n + NR / 2;
+        if (n >= j->N) break;
+        const uint8_t *row_a = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
+        const uint8_t *row_b = m < j->N ? j->raw + (j->rows ? j->rows[m] : m) * j->row_bytes : NULL;
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *a = row_a + u * fb, *b = row_b ? row_b + u * fb : NULL;
+            uint8_t *unit = panel + u * ub;
+            unit_header(FMT_Q4_K, c, a, unit);
+            if (b) unit_header(FMT_Q4_K, c + NR / 2, b, unit);
+            const uint8_t *qa = ((const block_q4_k *)a)->qs, *qb = b ? ((const block_q4_k *)b)->qs : none;
+            for (int kb = 0; kb < 8; kb++) {
+                const int sh = 4 * (kb % 2);
+                const uint8_t *sa = qa + (kb / 2) * 32, *sb = qb + (kb / 2) * 32;
+                uint8_t bytes[32];
+                for (int l = 0; l < 32; l++) bytes[l] = (uint8_t)(((sa[l] >> sh) & 15) | ((sb[l] >> sh) & 15) << 4);
+                uint8_t *blk = unit + header_bytes(FMT_Q4_K) + kb * body_bytes(FMT_Q4_K) + c * 4;
+                for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q4_K, g), bytes + g * 4, 4);
+            }
+        }
+    }
+}
+
 static void repack_panel(void *arg, int64_t p) {
     const repack_job *j = arg;
     const int fmt = j->fmt;
@@ -148,6 +177,10 @@ static void repack_panel(void *arg, int64_t p) {
     const int64_t fb = kn_file_bytes(fmt);
     uint8_t *panel = j->out + p * units * ub;
     memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
+    if (fmt == FMT_Q4_K) {
+        repack_q4k_panel(j, p, panel, units);
+        return;
+    }
     uint8_t q[256];
     for (int c = 0; c < NR; c++) {
         const int64_t n = p * NR + c;
