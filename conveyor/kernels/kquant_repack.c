@@ -169,6 +169,43 @@ static void repack_q4k_panel(const repack_job *j, int64_t p, uint8_t *panel, int
     }
 }
 
+/* Q6_K likewise: a low-plane byte holds the 4 low bits of channels c and c + 16, a high-plane byte the 2 high
+ * bits of both channels in two neighbouring groups. */
+static void repack_q6k_panel(const repack_job *j, int64_t p, uint8_t *panel, int64_t units) {
+    static const uint8_t none[210];   /* a missing channel's block */
+    const int64_t ub = kn_unit_bytes(FMT_Q6_K), fb = kn_file_bytes(FMT_Q6_K);
+    for (int c = 0; c < NR / 2; c++) {
+        const int64_t n = p * NR + c, m = n + NR / 2;
+        if (n >= j->N) break;
+        const uint8_t *row_a = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
+        const uint8_t *row_b = m < j->N ? j->raw + (j->rows ? j->rows[m] : m) * j->row_bytes : NULL;
+        for (int64_t u = 0; u < units; u++) {
+            const block_q6_k *a = (const void *)(row_a + u * fb);
+            const block_q6_k *b = row_b ? (const void *)(row_b + u * fb) : (const void *)none;
+            uint8_t *unit = panel + u * ub;
+            unit_header(FMT_Q6_K, c, (const uint8_t *)a, unit);
+            if (row_b) unit_header(FMT_Q6_K, c + NR / 2, (const uint8_t *)b, unit);
+            for (int kb = 0; kb < 8; kb++) {   /* file half kb / 4, quarter q = kb % 4 */
+                const int half = kb / 4, q = kb % 4, sh = 4 * (q / 2), hsh = 2 * q;
+                const uint8_t *la = a->ql + half * 64 + (q % 2) * 32, *lb = b->ql + half * 64 + (q % 2) * 32;
+                const uint8_t *ha = a->qh + half * 32, *hb = b->qh + half * 32;
+                uint8_t low[32], high[32];
+                for (int l = 0; l < 32; l++) {
+                    low[l] = (uint8_t)(((la[l] >> sh) & 15) | ((lb[l] >> sh) & 15) << 4);
+                    high[l] = (uint8_t)(((ha[l] >> hsh) & 3) | ((hb[l] >> hsh) & 3) << 2);
+                }
+                uint8_t *blk = unit + header_bytes(FMT_Q6_K) + kb * body_bytes(FMT_Q6_K) + c * 4;
+                for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q6_K, g), low + g * 4, 4);
+                for (int g = 0; g < 8; g += 2) {   /* groups g and g + 1 share a high-plane line */
+                    uint8_t both[4];
+                    for (int i = 0; i < 4; i++) both[i] = (uint8_t)(high[g * 4 + i] | high[(g + 1) * 4 + i] << 4);
+                    memcpy(blk + high_line(FMT_Q6_K, g), both, 4);
+                }
+            }
+        }
+    }
+}
+
 static void repack_panel(void *arg, int64_t p) {
     const repack_job *j = arg;
     const int fmt = j->fmt;
@@ -177,8 +214,8 @@ static void repack_panel(void *arg, int64_t p) {
     const int64_t fb = kn_file_bytes(fmt);
     uint8_t *panel = j->out + p * units * ub;
     memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
-    if (fmt == FMT_Q4_K) {
-        repack_q4k_panel(j, p, panel, units);
+    if (fmt == FMT_Q4_K || fmt == FMT_Q6_K) {
+        (fmt == FMT_Q4_K ? repack_q4k_panel : repack_q6k_panel)(j, p, panel, units);
         return;
     }
     uint8_t q[256];
