@@ -140,68 +140,62 @@ static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t 
     if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, &((const block_q4_1 *)b)->m, 2);
 }
 
-/* Q4_K, most of a Q4_K_M file, without unpacking its codes one at a time: a byte of our block holds channel
- * c's code in its low nibble and c + 16's in its high one, so two channels' 32 codes of a block are two
- * shifts and an or of 32 file bytes. The same bytes as the general loop in repack_panel. */
-static void repack_q4k_panel(const repack_job *j, int64_t p, uint8_t *panel, int64_t units) {
-    static const uint8_t none[128];   /* a missing channel's codes */
-    const int64_t ub = kn_unit_bytes(FMT_Q4_K), fb = kn_file_bytes(FMT_Q4_K);
-    for (int c = 0; c < NR / 2; c++) {
-        const int64_t n = p * NR + c, m = n + NR / 2;
-        if (n >= j->N) break;
-        const uint8_t *row_a = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
-        const uint8_t *row_b = m < j->N ? j->raw + (j->rows ? j->rows[m] : m) * j->row_bytes : NULL;
-        for (int64_t u = 0; u < units; u++) {
-            const uint8_t *a = row_a + u * fb, *b = row_b ? row_b + u * fb : NULL;
-            uint8_t *unit = panel + u * ub;
-            unit_header(FMT_Q4_K, c, a, unit);
-            if (b) unit_header(FMT_Q4_K, c + NR / 2, b, unit);
-            const uint8_t *qa = ((const block_q4_k *)a)->qs, *qb = b ? ((const block_q4_k *)b)->qs : none;
-            for (int kb = 0; kb < 8; kb++) {
-                const int sh = 4 * (kb % 2);
-                const uint8_t *sa = qa + (kb / 2) * 32, *sb = qb + (kb / 2) * 32;
-                uint8_t bytes[32];
-                for (int l = 0; l < 32; l++) bytes[l] = (uint8_t)(((sa[l] >> sh) & 15) | ((sb[l] >> sh) & 15) << 4);
-                uint8_t *blk = unit + header_bytes(FMT_Q4_K) + kb * body_bytes(FMT_Q4_K) + c * 4;
-                for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q4_K, g), bytes + g * 4, 4);
-            }
+/* Q4_K and Q6_K (most of a Q4_K_M file) two channels at a time: a byte of our block holds channel c's bits in
+ * its low half and c + 16's in its high one, so each byte is built from both channels' file bytes at once
+ * rather than or-ed in code by code. The same bytes as the general loop in repack_panel. `blk`: the unit's
+ * first block; b is a zero block where channel c + 16 is past N. */
+typedef void (*pair_body)(const uint8_t *a, const uint8_t *b, uint8_t *blk, int c);
+
+/* Q4_K: a block's 32 codes of a channel are one nibble of 32 file bytes. */
+static void q4k_pair(const uint8_t *a, const uint8_t *b, uint8_t *blk, int c) {
+    const uint8_t *qa = ((const block_q4_k *)a)->qs, *qb = ((const block_q4_k *)b)->qs;
+    for (int kb = 0; kb < 8; kb++, blk += body_bytes(FMT_Q4_K)) {
+        const int sh = 4 * (kb % 2);
+        const uint8_t *sa = qa + (kb / 2) * 32, *sb = qb + (kb / 2) * 32;
+        uint8_t bytes[32];
+        for (int l = 0; l < 32; l++) bytes[l] = (uint8_t)(((sa[l] >> sh) & 15) | ((sb[l] >> sh) & 15) << 4);
+        for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q4_K, g) + c * 4, bytes + g * 4, 4);
+    }
+}
+
+/* Q6_K: a low-plane byte holds both channels' 4 low bits, a high-plane byte both channels' 2 high bits in two
+ * neighbouring groups. */
+static void q6k_pair(const uint8_t *a, const uint8_t *b, uint8_t *blk, int c) {
+    const block_q6_k *x = (const void *)a, *y = (const void *)b;
+    for (int kb = 0; kb < 8; kb++, blk += body_bytes(FMT_Q6_K)) {   /* file half kb / 4, quarter q */
+        const int half = kb / 4, q = kb % 4, sh = 4 * (q / 2), hsh = 2 * q;
+        const uint8_t *la = x->ql + half * 64 + (q % 2) * 32, *lb = y->ql + half * 64 + (q % 2) * 32;
+        const uint8_t *ha = x->qh + half * 32, *hb = y->qh + half * 32;
+        uint8_t low[32], high[32];
+        for (int l = 0; l < 32; l++) {
+            low[l] = (uint8_t)(((la[l] >> sh) & 15) | ((lb[l] >> sh) & 15) << 4);
+            high[l] = (uint8_t)(((ha[l] >> hsh) & 3) | ((hb[l] >> hsh) & 3) << 2);
+        }
+        for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q6_K, g) + c * 4, low + g * 4, 4);
+        for (int g = 0; g < 8; g += 2) {   /* groups g and g + 1 share a high-plane line */
+            uint8_t both[4];
+            for (int i = 0; i < 4; i++) both[i] = (uint8_t)(high[g * 4 + i] | high[(g + 1) * 4 + i] << 4);
+            memcpy(blk + high_line(FMT_Q6_K, g) + c * 4, both, 4);
         }
     }
 }
 
-/* Q6_K likewise: a low-plane byte holds the 4 low bits of channels c and c + 16, a high-plane byte the 2 high
- * bits of both channels in two neighbouring groups. */
-static void repack_q6k_panel(const repack_job *j, int64_t p, uint8_t *panel, int64_t units) {
-    static const uint8_t none[210];   /* a missing channel's block */
-    const int64_t ub = kn_unit_bytes(FMT_Q6_K), fb = kn_file_bytes(FMT_Q6_K);
+static void repack_pairs(const repack_job *j, int64_t p, uint8_t *panel, int64_t units, pair_body body) {
+    static const uint8_t none[256];   /* a missing channel's file block: zero codes */
+    _Static_assert(sizeof(block_q4_k) <= sizeof none && sizeof(block_q6_k) <= sizeof none, "none: a file block");
+    const int fmt = j->fmt;
+    const int64_t ub = kn_unit_bytes(fmt), fb = kn_file_bytes(fmt);
     for (int c = 0; c < NR / 2; c++) {
         const int64_t n = p * NR + c, m = n + NR / 2;
         if (n >= j->N) break;
         const uint8_t *row_a = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
         const uint8_t *row_b = m < j->N ? j->raw + (j->rows ? j->rows[m] : m) * j->row_bytes : NULL;
         for (int64_t u = 0; u < units; u++) {
-            const block_q6_k *a = (const void *)(row_a + u * fb);
-            const block_q6_k *b = row_b ? (const void *)(row_b + u * fb) : (const void *)none;
+            const uint8_t *a = row_a + u * fb, *b = row_b ? row_b + u * fb : none;
             uint8_t *unit = panel + u * ub;
-            unit_header(FMT_Q6_K, c, (const uint8_t *)a, unit);
-            if (row_b) unit_header(FMT_Q6_K, c + NR / 2, (const uint8_t *)b, unit);
-            for (int kb = 0; kb < 8; kb++) {   /* file half kb / 4, quarter q = kb % 4 */
-                const int half = kb / 4, q = kb % 4, sh = 4 * (q / 2), hsh = 2 * q;
-                const uint8_t *la = a->ql + half * 64 + (q % 2) * 32, *lb = b->ql + half * 64 + (q % 2) * 32;
-                const uint8_t *ha = a->qh + half * 32, *hb = b->qh + half * 32;
-                uint8_t low[32], high[32];
-                for (int l = 0; l < 32; l++) {
-                    low[l] = (uint8_t)(((la[l] >> sh) & 15) | ((lb[l] >> sh) & 15) << 4);
-                    high[l] = (uint8_t)(((ha[l] >> hsh) & 3) | ((hb[l] >> hsh) & 3) << 2);
-                }
-                uint8_t *blk = unit + header_bytes(FMT_Q6_K) + kb * body_bytes(FMT_Q6_K) + c * 4;
-                for (int g = 0; g < 8; g++) memcpy(blk + low_line(FMT_Q6_K, g), low + g * 4, 4);
-                for (int g = 0; g < 8; g += 2) {   /* groups g and g + 1 share a high-plane line */
-                    uint8_t both[4];
-                    for (int i = 0; i < 4; i++) both[i] = (uint8_t)(high[g * 4 + i] | high[(g + 1) * 4 + i] << 4);
-                    memcpy(blk + high_line(FMT_Q6_K, g), both, 4);
-                }
-            }
+            unit_header(fmt, c, a, unit);
+            if (row_b) unit_header(fmt, c + NR / 2, b, unit);
+            body(a, b, unit + header_bytes(fmt), c);
         }
     }
 }
@@ -215,7 +209,7 @@ static void repack_panel(void *arg, int64_t p) {
     uint8_t *panel = j->out + p * units * ub;
     memset(panel, 0, (size_t)(units * ub));   /* channels past N: zero codes and scales */
     if (fmt == FMT_Q4_K || fmt == FMT_Q6_K) {
-        (fmt == FMT_Q4_K ? repack_q4k_panel : repack_q6k_panel)(j, p, panel, units);
+        repack_pairs(j, p, panel, units, fmt == FMT_Q4_K ? q4k_pair : q6k_pair);
         return;
     }
     uint8_t q[256];
