@@ -49,26 +49,12 @@ static void file_codes(int fmt, const uint8_t *b, uint8_t *q) {
                 for (int l = 0; l < 32; l++)
                     q[n * 128 + j * 32 + l] = (uint8_t)(((x->qs[n * 32 + l] >> (2 * j)) & 3) |
                                                         ((x->hmask[l] >> (n * 4 + j)) & 1) << 2);
-    } else if (fmt == FMT_Q6_K) {
-        const block_q6_k *x = (const void *)b;
-        for (int half = 0; half < 2; half++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t *ql = x->ql + half * 64, hi = x->qh[half * 32 + l];
-                uint8_t *o = q + half * 128;
-                o[l] = (uint8_t)((ql[l] & 15) | (hi & 3) << 4);
-                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((hi >> 2) & 3) << 4);
-                o[l + 64] = (uint8_t)((ql[l] >> 4) | ((hi >> 4) & 3) << 4);
-                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((hi >> 6) & 3) << 4);
-            }
-    } else {   /* Q4_K, Q5_K */
-        const uint8_t *qs = fmt == FMT_Q4_K ? ((const block_q4_k *)b)->qs : ((const block_q5_k *)b)->qs;
-        const uint8_t *qh = ((const block_q5_k *)b)->qh;
+    } else {   /* Q5_K (Q4_K and Q6_K are repacked two channels at a time: repack_pairs) */
+        const block_q5_k *x = (const void *)b;
         for (int j = 0; j < 8; j++)
-            for (int l = 0; l < 32; l++) {
-                int v = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
-                if (fmt == FMT_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
-                q[j * 32 + l] = (uint8_t)v;
-            }
+            for (int l = 0; l < 32; l++)
+                q[j * 32 + l] = (uint8_t)(((x->qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) |
+                                          ((x->qh[l] >> j) & 1) << 4);
     }
 }
 
@@ -140,10 +126,15 @@ static void repack_legacy_block(int fmt, int c, const uint8_t *b, const uint8_t 
     if (fmt == FMT_Q4_1) memcpy(blk + codes + 64 + 2 * c, &((const block_q4_1 *)b)->m, 2);
 }
 
+/* The file row of output channel n (the row order's, or the identity). */
+static inline const uint8_t *file_row(const repack_job *j, int64_t n) {
+    return j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
+}
+
 /* Q4_K and Q6_K (most of a Q4_K_M file) two channels at a time: a byte of our block holds channel c's bits in
  * its low half and c + 16's in its high one, so each byte is built from both channels' file bytes at once
- * rather than or-ed in code by code. The same bytes as the general loop in repack_panel. `blk`: the unit's
- * first block; b is a zero block where channel c + 16 is past N. */
+ * rather than or-ed in code by code (kernels.h's kn_panel_q4_k / kn_panel_q6_k). `blk`: the unit's first
+ * block; b is a zero block where channel c + 16 is past N. */
 typedef void (*pair_body)(const uint8_t *a, const uint8_t *b, uint8_t *blk, int c);
 
 /* Q4_K: a block's 32 codes of a channel are one nibble of 32 file bytes. */
@@ -188,8 +179,7 @@ static void repack_pairs(const repack_job *j, int64_t p, uint8_t *panel, int64_t
     for (int c = 0; c < NR / 2; c++) {
         const int64_t n = p * NR + c, m = n + NR / 2;
         if (n >= j->N) break;
-        const uint8_t *row_a = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
-        const uint8_t *row_b = m < j->N ? j->raw + (j->rows ? j->rows[m] : m) * j->row_bytes : NULL;
+        const uint8_t *row_a = file_row(j, n), *row_b = m < j->N ? file_row(j, m) : NULL;
         for (int64_t u = 0; u < units; u++) {
             const uint8_t *a = row_a + u * fb, *b = row_b ? row_b + u * fb : none;
             uint8_t *unit = panel + u * ub;
@@ -216,7 +206,7 @@ static void repack_panel(void *arg, int64_t p) {
     for (int c = 0; c < NR; c++) {
         const int64_t n = p * NR + c;
         if (n >= j->N) break;
-        const uint8_t *row = j->raw + (j->rows ? j->rows[n] : n) * j->row_bytes;
+        const uint8_t *row = file_row(j, n);
         for (int64_t u = 0; u < units; u++) {
             const uint8_t *b = row + u * fb;
             uint8_t *unit = panel + u * ub, *hdr = unit;
@@ -239,11 +229,9 @@ static void repack_panel(void *arg, int64_t p) {
                     word |= lo << (low_bits == 2 ? 4 * (g % 2) + 2 * (c >= 16) : shift);
                     memcpy(dst, &word, 4);
                     if (high_bytes(fmt) == 0) continue;
-                    int hs;   /* where this channel's high bits of group g sit in its plane byte */
                     dst = blk + high_line(fmt, g) + (c % 16) * 4;
-                    hs = fmt == FMT_Q6_K ? 4 * (g % 2) + 2 * (c >= 16) : 2 * (g % 4) + (c >= 16);
                     memcpy(&word, dst, 4);
-                    word |= hi << hs;
+                    word |= hi << (2 * (g % 4) + (c >= 16));   /* this channel's high bits of group g */
                     memcpy(dst, &word, 4);
                 }
             }
