@@ -218,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
 
     recorder, text = trace(args.model, args.max_tokens, args.threads)
     segments = walk(recorder.first_runs, on_stack=recorder.on_stack)
-    handoffs = walk(handoff_runs(recorder), on_stack=recorder.on_stack)
+    handed_on = handoff_runs(recorder)
+    handoffs = walk(handed_on, on_stack=recorder.on_stack)
     floors = walk(recorder.first_runs, by_package=True)
     counts = {**walk_counts(segments), "functions": len(recorder.first_runs), "calls": recorder.num_calls,
               **{f"handoff_{k}": v for k, v in walk_counts(handoffs).items()},
-              "handoff_functions": len(handoff_runs(recorder)),
+              "handoff_functions": len(handed_on),
               "package_hops": len(floors), "packages": len({s.file for s in floors}),
               "package_reentries": sum(s.is_reentry for s in floors)}
     if args.walk:
